@@ -1,0 +1,159 @@
+"""The engine adapter: everything that touches IREE's compiler and runtime lives here.
+
+Thread-safety: the VM instance and HAL devices are process-wide and safe to share. A `LoadedModel` owns one VM
+context, which is not for concurrent use from several threads (an IREE fact), so its calls are serialized by a
+lock; sharing a module across contexts is the shared-model issue's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onecopy.delegate.manifest import PARAMETER_SCOPE
+from onecopy.delegate.targets import Target, compiler_flags
+from onecopy.errors import DelegateError, ExecutionError
+
+__all__ = ["compile_bundle", "compiler_version", "vm_instance", "hal_device", "LoadedModel", "EngineFunction"]
+
+log = logging.getLogger("onecopy")
+
+_lock = threading.Lock()
+_instance: Any = None
+_devices: dict[str, Any] = {}
+
+
+def compiler_version() -> str:
+    from iree.compiler.version import VERSION
+
+    return VERSION
+
+
+def compile_bundle(source: bytes | memoryview, target: Target, *, for_host: bool) -> bytes:
+    """Compile MLIR bytecode into a `.vmfb` for `target`. Raises `DelegateError` with the compiler's diagnostics."""
+    from iree.compiler import CompilerToolError, compile_str
+
+    flags = compiler_flags(target, for_host=for_host)
+    try:
+        return compile_str(bytes(source), input_type="auto", extra_args=flags)
+    except CompilerToolError as e:
+        detail = str(e).strip().splitlines()
+        summary = next((line for line in detail if "error:" in line), detail[0] if detail else "unknown error")
+        raise DelegateError(f"IREE could not compile the bundle for {target.name}: {summary.strip()}") from e
+
+
+def vm_instance() -> Any:
+    import iree.runtime as ireert
+
+    global _instance
+    with _lock:
+        if _instance is None:
+            _instance = ireert.VmInstance()
+        return _instance
+
+
+def hal_device(driver: str) -> Any:
+    """One device per driver per process: creating a `local-task` device starts a thread pool."""
+    import iree.runtime as ireert
+
+    with _lock:
+        device = _devices.get(driver)
+        if device is None:
+            device = ireert.get_driver(driver).create_default_device()
+            _devices[driver] = device
+        return device
+
+
+class LoadedModel:
+    """An engine module with its parameters, in one VM context on one device."""
+
+    def __init__(self, vmfb: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str):
+        import iree.runtime as ireert
+
+        self.where = where
+        self.target = target
+        instance = vm_instance()
+        self.device = hal_device(target.driver)
+        index = ireert.ParameterIndex()
+        for name, view in parameters.items():
+            # The index keeps a reference to the buffer and reads the program's mapping in place: no copy.
+            index.add_buffer(name, view)
+        provider = index.create_provider(scope=PARAMETER_SCOPE)
+        try:
+            module = ireert.VmModule.wrap_buffer(instance, vmfb)
+        except ValueError:  # not aligned for in-place use (e.g. fresh compiler output): take a copy
+            module = ireert.VmModule.copy_buffer(instance, vmfb)
+        self._vmfb = vmfb  # Hold the bytes so the wrapped module is not freed.
+        self.module = module
+        modules = [
+            ireert.create_hal_module(instance, self.device),
+            ireert.create_io_parameters_module(instance, provider),
+            module,
+        ]
+        try:
+            self.context = ireert.VmContext(instance, modules=modules)
+        except RuntimeError as e:
+            raise DelegateError(f"{where}: IREE could not initialize the module: {e}") from e
+        self.lock = threading.Lock()
+
+    def function(self, name: str) -> "EngineFunction":
+        vm_function = self.module.lookup_function(name)
+        if vm_function is None:
+            raise DelegateError(
+                f"{self.where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
+                "Re-export the program."
+            )
+        return EngineFunction(self, vm_function, name)
+
+
+class EngineFunction:
+    """Calls one function of a loaded model on numpy arrays."""
+
+    def __init__(self, model: LoadedModel, vm_function: Any, name: str):
+        import iree.runtime as ireert
+
+        self._rt = ireert
+        self.model = model
+        self.name = name
+        self._vm_function = vm_function
+        self._memory_type = ireert.MemoryType.DEVICE_LOCAL
+        self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
+
+    def __call__(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        rt = self._rt
+        device = self.model.device
+        allocator = device.allocator
+        args = rt.VmVariantList(len(inputs))
+        for array in inputs:
+            element_type = rt.array_interop.map_dtype_to_element_type(array.dtype)
+            if element_type is None:
+                raise ExecutionError(f"{self.model.where}: dtype {array.dtype} cannot be passed to the engine.")
+            view = allocator.allocate_buffer_copy(
+                memory_type=self._memory_type, allowed_usage=self._usage, device=device,
+                buffer=np.ascontiguousarray(array), element_type=element_type,
+            )
+            args.push_ref(view)
+        results = rt.VmVariantList(len(outputs))
+        with self.model.lock:
+            try:
+                self.model.context.invoke(self._vm_function, args, results)
+            except RuntimeError as e:
+                raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
+        produced = []
+        for i, out in enumerate(outputs):
+            view = results.get_as_object(i, rt.HalBufferView)
+            dtype = rt.HalElementType.map_to_dtype(view.element_type)
+            shape = tuple(view.shape)
+            mapped = view.map()
+            host = mapped.asarray(shape, dtype)
+            if out is not None:
+                np.copyto(out, host)
+                produced.append(out)
+            else:
+                produced.append(np.array(host, copy=True))
+            del host, mapped
+        return produced

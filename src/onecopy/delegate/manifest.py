@@ -1,0 +1,64 @@
+"""The manifest of an IREE delegate: what it runs and where its bundle lives in the program's named data.
+
+Example (a portable delegate of a single-function module):
+
+    {"version": 1, "packaging": "mlir", "export_hash": "9f2c…", "bundle": {"portable": "bundle/9f2c….mlirbc"},
+     "function": "main", "input_names": ["x"], "output_names": ["relu_7"], "compute_units": "cpu",
+     "parameters": {"l_0_weight": "param/3a1e…"}}
+
+`bundle` has one key per target for `vmfb` packaging (`{"x86_64": …, "aarch64": …}`) and the single key
+`portable` for `mlir`. `parameters` maps each engine parameter name (scope `model`) to its named data key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from onecopy.errors import DelegateError
+
+__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "parse_manifest"]
+
+MANIFEST_VERSION = 1
+PACKAGINGS = ("mlir", "vmfb")
+PORTABLE = "portable"  # the bundle key of an `mlir` delegate
+PARAMETER_SCOPE = "model"
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    version: int
+    packaging: str
+    export_hash: str
+    bundle: dict[str, str]
+    function: str
+    input_names: list[str]
+    output_names: list[str]
+    compute_units: str
+    parameters: dict[str, str] = {}
+    multifunction: bool = False
+
+
+def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
+    """Validate a manifest read from a program. Every problem is a `DelegateError` naming `where` and the field."""
+    if not isinstance(raw, Mapping):
+        raise DelegateError(f"{where}: the manifest is not a mapping. Re-export the program.")
+    packaging = raw.get("packaging")
+    if isinstance(packaging, str) and packaging not in PACKAGINGS:
+        raise DelegateError(f"{where}: Unsupported packaging '{packaging}'; expected mlir or vmfb. Re-export the program.")
+    try:
+        manifest = msgspec.convert(dict(raw), Manifest, strict=True)
+    except msgspec.ValidationError as e:
+        field = str(e)
+        raise DelegateError(f"{where}: invalid manifest: {field}. Re-export the program.") from e
+    if manifest.version > MANIFEST_VERSION:
+        raise DelegateError(
+            f"{where}: manifest version {manifest.version} is newer than this onecopy reads ({MANIFEST_VERSION}); "
+            "upgrade onecopy."
+        )
+    if manifest.packaging == "mlir" and set(manifest.bundle) != {PORTABLE}:
+        raise DelegateError(f"{where}: an mlir manifest needs exactly the bundle key '{PORTABLE}'. Re-export the program.")
+    if not manifest.bundle:
+        raise DelegateError(f"{where}: the manifest names no bundle. Re-export the program.")
+    return manifest

@@ -1,0 +1,61 @@
+"""CompileSpec: how a program's partitions are packaged and for which compute units and targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onecopy.delegate.manifest import PACKAGINGS
+from onecopy.delegate.targets import COMPUTE_UNITS, TARGETS, host_cpu_target
+from onecopy.errors import InvalidArgument
+
+__all__ = ["CompileSpec"]
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """
+    Args:
+        packaging: "mlir" (portable MLIR bytecode, compiled for the local machine on load) or "vmfb" (compiled
+            now, once per target).
+        compute_units: "cpu", "gpu" or "all" (best available); can be overridden at load.
+        targets: for "vmfb" only: which targets to compile for, e.g. ("x86_64", "aarch64"). Default: this
+            machine's CPU.
+
+    Example:
+        CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))
+    """
+
+    packaging: str = "mlir"
+    compute_units: str = "cpu"
+    targets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.packaging not in PACKAGINGS:
+            raise InvalidArgument(f"Unsupported packaging '{self.packaging}'; expected mlir or vmfb.")
+        if self.compute_units not in COMPUTE_UNITS:
+            raise InvalidArgument(
+                f"CompileSpec: unknown compute units '{self.compute_units}'; expected one of {', '.join(COMPUTE_UNITS)}."
+            )
+        if isinstance(self.targets, str):
+            raise InvalidArgument(f"CompileSpec.targets is a tuple of names; write targets=('{self.targets}',).")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise InvalidArgument(
+                f"CompileSpec: unknown target(s) {', '.join(map(repr, unknown))}; known: {', '.join(TARGETS)}."
+            )
+        if self.packaging == "mlir" and self.targets:
+            raise InvalidArgument(
+                "CompileSpec: targets apply to packaging='vmfb' only; an mlir program is compiled on the device."
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise InvalidArgument(f"CompileSpec: targets {self.targets} name a target twice.")
+        if self.packaging == "vmfb":
+            if not self.targets:
+                object.__setattr__(self, "targets", (host_cpu_target().name,))
+            units = {TARGETS[t].compute_unit for t in self.targets}
+            if self.compute_units != "all" and self.compute_units not in units:
+                raise InvalidArgument(
+                    f"CompileSpec: compute units '{self.compute_units}' but targets {self.targets} run on "
+                    f"{', '.join(sorted(units))}; add a matching target or use compute_units='all'."
+                )

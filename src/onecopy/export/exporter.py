@@ -1,0 +1,345 @@
+"""export_program: `torch.export` programs of several methods -> one program file.
+
+    decompose (core ATen) -> partition (engine vs host) -> plan values and instructions
+    -> lower the delegate partitions (one module each, or one for all with multifunction) -> deliver into the
+       named data store with a manifest per delegate
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from onecopy.delegate.manifest import MANIFEST_VERSION, PORTABLE
+from onecopy.errors import ExportError, InvalidArgument
+from onecopy.export.compile_spec import CompileSpec
+from onecopy.export.lowering import LoweredBundle, StagedFunction, lower
+from onecopy.export.parameters import ParameterTable, parameter_key
+from onecopy.export.partitioner import Partition, Partitioner, op_name
+from onecopy.program import (
+    ConstantDef,
+    ConstArg,
+    DelegateCall,
+    DelegateDef,
+    HostOp,
+    Instruction,
+    MethodDef,
+    NamedDataStore,
+    ProgramDef,
+    ProgramFile,
+    TensorSpec,
+    ValueArg,
+)
+
+__all__ = ["export_program"]
+
+BACKEND = "IreeBackend"
+_WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def _tensor_spec(node: fx.Node, where: str) -> TensorSpec:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ExportError(f"{where}: '{node.name}' is not a tensor ({type(val).__name__}); only tensors cross a method's boundary.")
+    shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else str(d) for d in val.shape]
+    return TensorSpec(shape=shape, dtype=str(val.dtype).removeprefix("torch."))
+
+
+def _example(node: fx.Node) -> torch.Tensor:
+    val = node.meta["val"]
+    return torch.zeros([int(d) for d in val.shape], dtype=val.dtype)
+
+
+@dataclass
+class _DelegatePartition:
+    method: str
+    index: int  # partition index within the method
+    delegate: int  # delegate index within the program
+    graph_module: fx.GraphModule
+    parameters: list[str]
+    example_args: tuple[torch.Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+
+    def staged(self, function: str) -> StagedFunction:
+        return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
+                              f"method '{self.method}', partition {self.index}")
+
+
+@dataclass
+class _MethodPlan:
+    """Values and instructions of one method, built while walking its graph."""
+
+    name: str
+    table: ParameterTable
+    ids: dict[fx.Node, int] = field(default_factory=dict)
+    num_values: int = 0
+    weights: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> table name
+    constants: list[ConstantDef] = field(default_factory=list)
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def new_id(self) -> int:
+        self.num_values += 1
+        return self.num_values - 1
+
+    def value(self, node: fx.Node) -> int:
+        """Value id of `node`; a weight read outside the engine becomes a constant from the named data."""
+        if node not in self.ids:
+            name = self.weights.get(node)
+            if name is None:
+                raise ExportError(f"Method '{self.name}': node '{node.name}' is used before it is computed.")
+            vid = self.new_id()
+            self.ids[node] = vid
+            self.constants.append(
+                ConstantDef(id=vid, key=parameter_key(self.table.digests[name]), spec=_tensor_spec(node, self.name))
+            )
+        return self.ids[node]
+
+    def encode(self, arg: Any, node: fx.Node) -> ValueArg | ConstArg:
+        if isinstance(arg, fx.Node):
+            return ValueArg(id=self.value(arg))
+        if arg is None or isinstance(arg, (bool, int, float, str)):
+            return ConstArg(value=arg)
+        if isinstance(arg, (list, tuple)) and all(a is None or isinstance(a, (bool, int, float, str)) for a in arg):
+            return ConstArg(value=list(arg))
+        if isinstance(arg, (torch.dtype, torch.memory_format, torch.device, torch.layout)):
+            return ConstArg(value=str(arg))
+        raise ExportError(
+            f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes an argument of type "
+            f"{type(arg).__name__}, which cannot run on the host; let the engine take this op."
+        )
+
+
+def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
+    if not isinstance(methods, Mapping) or not methods:
+        raise InvalidArgument("export_program takes a non-empty dict of method name -> torch.export.ExportedProgram.")
+    for name, ep in methods.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise InvalidArgument(f"Method name {name!r} must be a Python identifier, e.g. 'forward'.")
+        if not isinstance(ep, ExportedProgram):
+            raise InvalidArgument(
+                f"Method '{name}' must be a torch.export.ExportedProgram, got {type(ep).__name__}; "
+                "wrap the model with torch.export.export(model, example_args)."
+            )
+
+
+def _plan_method(
+    name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition]
+) -> MethodDef:
+    # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
+    ep = ep.run_decompositions()
+    signature = ep.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        mutated = list(signature.buffers_to_mutate.values()) + list(signature.user_inputs_to_mutate.values())
+        raise ExportError(
+            f"Method '{name}' mutates {', '.join(mutated)}; onecopy methods are pure functions. Export the model in "
+            "eval mode, or return the new state as an output."
+        )
+    graph = ep.graph_module.graph
+    plan = _MethodPlan(name, table)
+    inputs: list[int] = []
+    input_specs: list[TensorSpec] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, signature.input_specs):
+        if spec.kind in _WEIGHT_KINDS:
+            tensor = ep.state_dict.get(spec.target)
+            if tensor is None:
+                tensor = ep.constants[spec.target]
+            plan.weights[node] = table.add(spec.target, tensor)
+        elif spec.kind == InputKind.USER_INPUT:
+            input_specs.append(_tensor_spec(node, f"Method '{name}', input '{node.name}'"))
+            plan.ids[node] = plan.new_id()
+            inputs.append(plan.ids[node])
+        else:
+            raise ExportError(f"Method '{name}': input '{node.name}' of kind {spec.kind.name} is not supported.")
+
+    delegate_index = 0
+    for partition in partitioner.partition(graph, name):
+        if partition.on_host:
+            _plan_host_op(plan, partition.nodes[0])
+            continue
+        staged = _plan_delegate_partition(plan, partition, delegate_index, len(delegates))
+        if staged is not None:
+            delegates.append(staged)
+            delegate_index += 1
+
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    outputs: list[int] = []
+    output_specs: list[TensorSpec] = []
+    for value, spec in zip(output_node.args[0], signature.output_specs):
+        if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
+            raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
+        outputs.append(plan.value(value))
+        output_specs.append(_tensor_spec(value, f"Method '{name}', output '{value.name}'"))
+    return MethodDef(
+        name=name,
+        num_values=plan.num_values,
+        inputs=inputs,
+        outputs=outputs,
+        input_specs=input_specs,
+        output_specs=output_specs,
+        instructions=plan.instructions,
+        constants=plan.constants,
+    )
+
+
+def _plan_host_op(plan: _MethodPlan, node: fx.Node) -> None:
+    args = [plan.encode(a, node) for a in node.args]
+    kwargs = {k: plan.encode(v, node) for k, v in node.kwargs.items()}
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        outputs = [plan.new_id() for _ in val]
+        for user in node.users:
+            if user.target is operator.getitem:
+                plan.ids[user] = outputs[user.args[1]]
+    else:
+        outputs = [plan.new_id()]
+        plan.ids[node] = outputs[0]
+    plan.instructions.append(HostOp(op=op_name(node), args=args, kwargs=kwargs, outputs=outputs))
+
+
+def _plan_delegate_partition(
+    plan: _MethodPlan, partition: Partition, index: int, delegate: int
+) -> _DelegatePartition | None:
+    members = set(partition.nodes)
+    weights: list[fx.Node] = []
+    activations: list[fx.Node] = []
+    for node in partition.nodes:
+        for source in node.all_input_nodes:
+            if source in members:
+                continue
+            bucket = weights if source in plan.weights else activations
+            if source not in bucket:
+                bucket.append(source)
+    results = [
+        n for n in partition.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)
+    ]
+    if not results:
+        return None  # dead code: nothing outside uses it
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for source in weights + activations:
+        env[source] = graph.placeholder(source.name)
+        env[source].meta = dict(source.meta)
+    for node in partition.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in results))
+    graph_module = fx.GraphModule(torch.nn.Module(), graph)
+
+    inputs = [plan.value(a) for a in activations]
+    outputs = []
+    for node in results:
+        plan.ids[node] = plan.new_id()
+        outputs.append(plan.ids[node])
+    plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
+    return _DelegatePartition(
+        method=plan.name,
+        index=index,
+        delegate=delegate,
+        graph_module=graph_module,
+        parameters=[plan.weights[w] for w in weights],
+        example_args=tuple(_example(a) for a in activations),
+        input_names=[a.name for a in activations],
+        output_names=[r.name for r in results],
+    )
+
+
+def _deliver(
+    bundle: LoweredBundle, table: ParameterTable, parameters: list[str], store: NamedDataStore
+) -> tuple[str, dict[str, str], dict[str, str]]:
+    """Put a bundle and its parameters into the named data store. Returns (export hash, bundle keys, parameters)."""
+    h = hashlib.sha256(bundle.packaging.encode())
+    for target in sorted(bundle.code):
+        h.update(f"{target}:{hashlib.sha256(bundle.code[target]).hexdigest()}".encode())
+    for name in sorted(parameters):
+        h.update(f"{name}:{table.digests[name]}".encode())
+    export_hash = h.hexdigest()
+    suffix = {"mlir": "mlirbc", "vmfb": "vmfb"}[bundle.packaging]
+    keys = {}
+    for target, code in bundle.code.items():
+        keys[target] = f"bundle/{export_hash[:40]}.{target}.{suffix}" if target != PORTABLE else f"bundle/{export_hash[:40]}.{suffix}"
+        store.add(keys[target], code)
+    bound = {}
+    for name in parameters:
+        bound[name] = parameter_key(table.digests[name])
+        store.add(bound[name], ParameterTable.host_bytes(table.tensors[name]))
+    return export_hash, keys, bound
+
+
+def export_program(
+    methods: Mapping[str, ExportedProgram],
+    *,
+    partitioner: Partitioner | None = None,
+    compile_spec: CompileSpec | None = None,
+) -> ProgramFile:
+    """Export the methods of a model into one program.
+
+    Args:
+        methods: method name -> `torch.export.export(...)` program, e.g. {"forward": ep1, "prefill": ep16}.
+        partitioner: which ops the engine takes, and whether all methods share one module (multifunction).
+        compile_spec: packaging (mlir | vmfb), compute units and targets.
+
+    Returns:
+        A `ProgramFile`: `.save(path)` writes it atomically, `.to_bytes()` returns it.
+
+    Raises:
+        InvalidArgument: bad methods, partitioner or compile spec.
+        UnsupportedOperator: an op that neither IREE nor a host kernel can run.
+        ExportError: the model cannot be lowered (the message names method and partition).
+    """
+    partitioner = partitioner if partitioner is not None else Partitioner()
+    compile_spec = compile_spec if compile_spec is not None else CompileSpec()
+    if not isinstance(partitioner, Partitioner):
+        raise InvalidArgument(f"partitioner must be an onecopy.export.Partitioner, got {type(partitioner).__name__}.")
+    if not isinstance(compile_spec, CompileSpec):
+        raise InvalidArgument(f"compile_spec must be an onecopy.export.CompileSpec, got {type(compile_spec).__name__}.")
+    _check_methods(methods)
+
+    table = ParameterTable()
+    partitions: list[_DelegatePartition] = []
+    method_defs = [_plan_method(name, ep, partitioner, table, partitions) for name, ep in methods.items()]
+
+    store = NamedDataStore()
+    for constant in (c for m in method_defs for c in m.constants):
+        name = next(n for n, d in table.digests.items() if parameter_key(d) == constant.key)
+        store.add(constant.key, ParameterTable.host_bytes(table.tensors[name]))
+
+    manifests: list[dict[str, Any]] = [{} for _ in partitions]
+    if partitioner.multifunction:
+        groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
+    else:
+        groups = [[(p, "main")] for p in partitions]
+    for group in groups:
+        bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec)
+        used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
+        export_hash, keys, bound = _deliver(bundle, table, used, store)
+        for p, function in group:
+            manifest: dict[str, Any] = {
+                "version": MANIFEST_VERSION,
+                "packaging": compile_spec.packaging,
+                "export_hash": export_hash,
+                "bundle": keys,
+                "function": function,
+                "input_names": p.input_names,
+                "output_names": p.output_names,
+                "compute_units": compile_spec.compute_units,
+                "parameters": bound,
+            }
+            if partitioner.multifunction:
+                manifest["multifunction"] = True
+            manifests[p.delegate] = manifest
+    definition = ProgramDef(
+        methods=method_defs,
+        delegates=[DelegateDef(backend=BACKEND, manifest=m) for m in manifests],
+        segments=[],
+    )
+    return ProgramFile(definition, store)

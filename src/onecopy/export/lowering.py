@@ -1,0 +1,84 @@
+"""Lowering: stage partitions as functions of ONE turbine builder, export once, package the bundle.
+
+Both partitioner modes go through `lower`: the default stages one partition as `main`; multifunction stages every
+method's partitions at once as `<method>_<i>`. Parameters are externalized (scope `model`), so the bundle holds
+code only and each weight is stored once in the program's named data, however many functions use it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from onecopy.delegate.engine import compile_bundle
+from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
+from onecopy.delegate.targets import TARGETS
+from onecopy.errors import DelegateError, ExportError
+from onecopy.export.compile_spec import CompileSpec
+
+__all__ = ["StagedFunction", "LoweredBundle", "lower"]
+
+
+@dataclass
+class StagedFunction:
+    """One engine function: a pure graph taking (parameters..., activations...) and returning a tuple."""
+
+    name: str
+    graph_module: fx.GraphModule
+    parameters: list[str]  # names in the shared parameter table, in placeholder order
+    example_args: tuple[torch.Tensor, ...]
+    where: str  # "method 'forward', partition 0", for errors
+
+
+@dataclass
+class LoweredBundle:
+    packaging: str
+    code: dict[str, bytes]  # PORTABLE -> MLIR bytecode, or target name -> vmfb
+    functions: list[str]
+
+
+def _stage(fxb, function: StagedFunction) -> None:
+    from iree.turbine import aot  # noqa: F401  (the builder comes from it)
+
+    graph_module, names = function.graph_module, function.parameters
+
+    def call(module, *args):
+        return graph_module(*(getattr(module, name) for name in names), *args)
+
+    fxb.export_program(name=function.name, args=function.example_args, strict=False)(call)
+
+
+def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
+    from iree.turbine import aot
+
+    root = torch.nn.Module()
+    for function in functions:
+        for name in function.parameters:
+            if not hasattr(root, name):
+                root.register_buffer(name, parameters[name])
+    aot.externalize_module_parameters(root, external_scope=PARAMETER_SCOPE)
+    fxb = aot.FxProgramsBuilder(root)
+    where = "; ".join(f.where for f in functions)
+    try:
+        for function in functions:
+            _stage(fxb, function)
+        exported = aot.export(fxb)
+        buffer = io.BytesIO()
+        exported.mlir_module.operation.write_bytecode(buffer)
+    except Exception as e:
+        raise ExportError(f"iree-turbine could not import {where}: {e}") from e
+    bytecode = buffer.getvalue()
+    if spec.packaging == "mlir":
+        code = {PORTABLE: bytecode}
+    else:
+        code = {}
+        for target in spec.targets:
+            try:
+                code[target] = compile_bundle(bytecode, TARGETS[target], for_host=False)
+            except DelegateError as e:
+                raise ExportError(f"{where}: {e}") from e
+    return LoweredBundle(spec.packaging, code, [f.name for f in functions])

@@ -1,0 +1,39 @@
+"""The program file format: preamble, typed schema, named data store. Imports neither torch nor IREE."""
+
+from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
+from onecopy.program.file import FORMAT_VERSION, MAGIC, LoadedProgramFile, ProgramFile, read_program
+from onecopy.program.schema import (
+    ConstArg,
+    ConstantDef,
+    DelegateCall,
+    DelegateDef,
+    HostOp,
+    Instruction,
+    MethodDef,
+    ProgramDef,
+    SegmentDef,
+    TensorSpec,
+    ValueArg,
+)
+
+__all__ = [
+    "PAGE_SIZE",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "NamedData",
+    "NamedDataStore",
+    "ProgramFile",
+    "LoadedProgramFile",
+    "read_program",
+    "ConstArg",
+    "ConstantDef",
+    "DelegateCall",
+    "DelegateDef",
+    "HostOp",
+    "Instruction",
+    "MethodDef",
+    "ProgramDef",
+    "SegmentDef",
+    "TensorSpec",
+    "ValueArg",
+]

@@ -1,0 +1,27 @@
+"""The runtime: load programs, run methods. Never imports `onecopy.export` (a device needs no torch)."""
+
+from onecopy.runtime.backend import Backend, DelegateHandle, get_backend, register_backend
+from onecopy.runtime.backend_options import parse_backend_options
+from onecopy.runtime.host_kernels import get_host_kernel, has_host_kernel, register_host_kernel
+from onecopy.runtime.init_context import InitContext
+from onecopy.runtime.method import Method
+from onecopy.runtime.method_meta import DelegateMeta, MethodMeta, TensorMeta
+from onecopy.runtime.program import Program, Runtime
+
+__all__ = [
+    "Runtime",
+    "Program",
+    "Method",
+    "MethodMeta",
+    "TensorMeta",
+    "DelegateMeta",
+    "InitContext",
+    "Backend",
+    "DelegateHandle",
+    "get_backend",
+    "register_backend",
+    "parse_backend_options",
+    "register_host_kernel",
+    "get_host_kernel",
+    "has_host_kernel",
+]

@@ -1,0 +1,84 @@
+"""The contract between the runtime and a delegate backend, and the table that finds a backend by name.
+
+A backend declares its typed options and turns a manifest into a `DelegateHandle`:
+
+    class MyBackend(Backend):
+        name = "MyBackend"
+        options = {"threads": int}
+
+        def init(self, context: InitContext, manifest: Mapping[str, Any]) -> DelegateHandle: ...
+
+Built-in backends are imported on first use, so a program that never names one never imports its engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from onecopy.errors import DelegateError
+
+if TYPE_CHECKING:
+    from onecopy.runtime.init_context import InitContext
+
+__all__ = ["Backend", "DelegateHandle", "OptionValue", "get_backend", "register_backend", "backend_names"]
+
+OptionValue = bool | int | str
+
+
+class DelegateHandle(abc.ABC):
+    """A delegate initialized by its backend: runs one lowered partition."""
+
+    #: Engine function this delegate runs (for method_meta and logs).
+    function: str = ""
+
+    @abc.abstractmethod
+    def execute(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+        """Run on `inputs`; write into `outputs[i]` where given, else return new arrays."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release engine resources. Called once, by `Program.close()`."""
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str]
+    #: Typed backend options: name -> bool, int or str. Anything else given at load is `InvalidArgument`.
+    options: ClassVar[Mapping[str, type]]
+
+    @abc.abstractmethod
+    def init(self, context: "InitContext", manifest: Mapping[str, Any]) -> DelegateHandle:
+        """Validate `manifest` and load what it points at. Raise `DelegateError`/`InvalidArgument` on bad input."""
+
+
+_BUILTIN: dict[str, str] = {"IreeBackend": "onecopy.delegate.backend:IreeBackend"}
+_registered: dict[str, Backend] = {}
+_lock = threading.Lock()
+
+
+def register_backend(backend: Backend) -> None:
+    with _lock:
+        _registered[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_registered))
+
+
+def get_backend(name: str) -> Backend:
+    with _lock:
+        backend = _registered.get(name)
+        if backend is not None:
+            return backend
+        target = _BUILTIN.get(name)
+        if target is None:
+            raise DelegateError(f"No backend named '{name}'; known backends: {', '.join(backend_names())}.")
+        module_name, class_name = target.split(":")
+        backend = getattr(importlib.import_module(module_name), class_name)()
+        _registered[name] = backend
+        return backend

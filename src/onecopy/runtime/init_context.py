@@ -1,0 +1,35 @@
+"""What a delegate's `init` sees: its method, the program's named data, its backend options, the method meta."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from onecopy.program import NamedData
+from onecopy.runtime.backend import OptionValue
+
+if TYPE_CHECKING:
+    from onecopy.runtime.method_meta import MethodMeta
+
+__all__ = ["InitContext"]
+
+
+@dataclass(frozen=True)
+class InitContext:
+    method_name: str
+    delegate_index: int
+    named_data: NamedData
+    backend_options: Mapping[str, OptionValue]
+    program_path: Path | None
+    cache_dir: Path | None
+    _method_meta: Callable[[], "MethodMeta"]
+
+    def method_meta(self) -> "MethodMeta":
+        return self._method_meta()
+
+    @property
+    def where(self) -> str:
+        """How errors name this delegate."""
+        return f"Method '{self.method_name}', delegate {self.delegate_index}"

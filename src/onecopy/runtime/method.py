@@ -1,0 +1,159 @@
+"""A loaded method: runs its instructions (delegate calls and host ops) over a table of values."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import ExecutionError
+from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData, ValueArg
+from onecopy.runtime.backend import DelegateHandle
+from onecopy.runtime.host_kernels import get_host_kernel
+from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+
+__all__ = ["Method", "as_array"]
+
+
+def as_array(value: Any, what: str) -> np.ndarray:
+    """numpy arrays as they are; DLPack producers (torch, jax, cupy on host) as zero-copy views; else asarray."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise ExecutionError(f"{what} cannot be viewed as a host array through DLPack: {e}") from e
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ExecutionError(f"{what} is not an array: {type(value).__name__}.") from e
+
+
+def _check_tensor(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str) -> None:
+    if array.dtype != meta.dtype:
+        raise ExecutionError(
+            f"{what} has dtype {array.dtype}; expected {meta.dtype}. Convert it, e.g. x.astype(np.{meta.dtype})."
+        )
+    if array.ndim != len(meta.shape):
+        raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
+    for axis, (given, want) in enumerate(zip(array.shape, meta.shape)):
+        if isinstance(want, str):
+            bound = symbols.setdefault(want, given)
+            if bound != given:
+                raise ExecutionError(
+                    f"{what} has size {given} at dimension {axis} ('{want}'), but another input set '{want}' = {bound}."
+                )
+        elif given != want:
+            raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
+
+
+class Method:
+    """An entry point of a loaded program. `execute` may be called from several threads."""
+
+    def __init__(self, definition: MethodDef, meta: MethodMeta, delegates: dict[int, DelegateHandle],
+                 named_data: NamedData, program_closed: threading.Event):
+        self._definition = definition
+        self._meta = meta
+        self._delegates = delegates
+        self._closed = program_closed
+        self._constants = {
+            c.id: np.frombuffer(named_data[c.key], dtype=c.spec.dtype).reshape([int(d) for d in c.spec.shape])
+            for c in definition.constants
+        }
+        self._kernels = {}
+        for ins in definition.instructions:
+            if isinstance(ins, HostOp):
+                kernel = get_host_kernel(ins.op)
+                if kernel is None:
+                    raise ExecutionError(
+                        f"Method '{definition.name}' runs '{ins.op}' on the host, but no host kernel is registered "
+                        "for it; register one with onecopy.runtime.register_host_kernel before loading."
+                    )
+                self._kernels[ins.op] = kernel
+
+    @property
+    def name(self) -> str:
+        return self._definition.name
+
+    @property
+    def method_meta(self) -> MethodMeta:
+        return self._meta
+
+    def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[np.ndarray]:
+        """Run the method. `outputs`: caller-provided storage per output (None entries are allocated)."""
+        if self._closed.is_set():
+            raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
+        definition, meta = self._definition, self._meta
+        if len(inputs) != len(meta.inputs):
+            raise ExecutionError(f"Method '{self.name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
+        values: list[Any] = [None] * definition.num_values
+        values_set = values.__setitem__
+        symbols: dict[str, int] = {}
+        for i, (value, vid, tmeta) in enumerate(zip(inputs, definition.inputs, meta.inputs)):
+            what = f"Input {i} of method '{self.name}'"
+            array = as_array(value, what)
+            _check_tensor(array, tmeta, symbols, what)
+            values_set(vid, array)
+        for vid, constant in self._constants.items():
+            values_set(vid, constant)
+
+        storage = self._output_storage(outputs)
+        for ins in definition.instructions:
+            if isinstance(ins, DelegateCall):
+                args = [values[v] for v in ins.inputs]
+                produced = self._delegates[ins.delegate].execute(args, [storage.get(v) for v in ins.outputs])
+                for vid, array in zip(ins.outputs, produced):
+                    values_set(vid, array)
+            else:
+                self._run_host_op(ins, values)
+
+        results = []
+        for vid, out in zip(definition.outputs, outputs or [None] * len(definition.outputs)):
+            result = values[vid]
+            if out is not None and result is not storage.get(vid):
+                np.copyto(storage[vid], result)
+                result = storage[vid]
+            results.append(result)
+        return results
+
+    def _output_storage(self, outputs: Sequence[Any] | None) -> dict[int, np.ndarray]:
+        if outputs is None:
+            return {}
+        meta = self._meta
+        if len(outputs) != len(meta.outputs):
+            raise ExecutionError(
+                f"Method '{self.name}' has {len(meta.outputs)} outputs; outputs= gave {len(outputs)} (use None for "
+                "outputs the runtime should allocate)."
+            )
+        storage: dict[int, np.ndarray] = {}
+        for i, (out, vid, tmeta) in enumerate(zip(outputs, self._definition.outputs, meta.outputs)):
+            if out is None:
+                continue
+            what = f"Output {i} of method '{self.name}'"
+            array = as_array(out, what)
+            if not array.flags.writeable:
+                raise ExecutionError(f"{what} is read-only; pass writable storage.")
+            _check_tensor(array, tmeta, {}, what)
+            if vid in storage:  # one value returned twice: the second copy is made at the end
+                continue
+            storage[vid] = array
+        return storage
+
+    def _run_host_op(self, ins: HostOp, values: list[Any]) -> None:
+        def resolve(arg: ValueArg | ConstArg) -> Any:
+            return values[arg.id] if isinstance(arg, ValueArg) else arg.value
+
+        args = [resolve(a) for a in ins.args]
+        kwargs = {k: resolve(a) for k, a in ins.kwargs.items()}
+        try:
+            result = self._kernels[ins.op](*args, **kwargs)
+        except Exception as e:
+            raise ExecutionError(f"Method '{self.name}': host kernel '{ins.op}' failed: {e}") from e
+        if len(ins.outputs) == 1:
+            values[ins.outputs[0]] = np.asarray(result)
+        else:
+            for vid, array in zip(ins.outputs, result):
+                values[vid] = np.asarray(array)

@@ -1,0 +1,75 @@
+"""Method metadata: what a method takes, returns and does, without running it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
+
+__all__ = ["TensorMeta", "DelegateMeta", "MethodMeta"]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int | str, ...]  # a str is a dynamic dimension's symbol
+    dtype: np.dtype
+    memory_planned: bool
+
+    @classmethod
+    def from_spec(cls, spec: TensorSpec) -> "TensorMeta":
+        return cls(tuple(spec.shape), np.dtype(spec.dtype), spec.memory_planned)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return any(isinstance(d, str) for d in self.shape)
+
+    @property
+    def nbytes(self) -> int | None:
+        if self.is_dynamic:
+            return None
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DelegateMeta:
+    index: int
+    backend: str
+    function: str
+    packaging: str
+
+
+@dataclass(frozen=True)
+class MethodMeta:
+    name: str
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+    instructions: tuple[str, ...]  # "delegate_call 0", "host_op aten.relu.default"
+    delegates: tuple[DelegateMeta, ...]
+
+    @classmethod
+    def from_definition(cls, method: MethodDef, program: ProgramDef) -> "MethodMeta":
+        instructions = []
+        delegates = []
+        for ins in method.instructions:
+            if isinstance(ins, DelegateCall):
+                instructions.append(f"delegate_call {ins.delegate}")
+                manifest = program.delegates[ins.delegate].manifest
+                delegates.append(
+                    DelegateMeta(
+                        ins.delegate,
+                        program.delegates[ins.delegate].backend,
+                        str(manifest.get("function", "")),
+                        str(manifest.get("packaging", "")),
+                    )
+                )
+            elif isinstance(ins, HostOp):
+                instructions.append(f"host_op {ins.op}")
+        return cls(
+            method.name,
+            tuple(TensorMeta.from_spec(s) for s in method.input_specs),
+            tuple(TensorMeta.from_spec(s) for s in method.output_specs),
+            tuple(instructions),
+            tuple(delegates),
+        )

@@ -1,0 +1,130 @@
+"""Runtime and Program: load a program file, list and load its methods, release everything on close."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from onecopy.errors import InvalidArgument
+from onecopy.program import DelegateCall, LoadedProgramFile, read_program
+from onecopy.runtime.backend import DelegateHandle, get_backend
+from onecopy.runtime.backend_options import BackendOptions, parse_backend_options
+from onecopy.runtime.init_context import InitContext
+from onecopy.runtime.method import Method
+from onecopy.runtime.method_meta import MethodMeta
+
+__all__ = ["Runtime", "Program"]
+
+log = logging.getLogger("onecopy")
+
+
+class Runtime:
+    """Entry point of the runtime. `cache_dir`: where specialized programs are kept (None: the default)."""
+
+    def __init__(self, cache_dir: str | os.PathLike[str] | None = None):
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+
+    def load_program(
+        self,
+        program: str | os.PathLike[str] | bytes | bytearray | memoryview,
+        *,
+        backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> "Program":
+        options = parse_backend_options(backend_options)
+        return Program(read_program(program), options, self)
+
+
+class Program:
+    """A loaded program. Close it (or use it as a context manager) to release its delegates and its mapping."""
+
+    def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime):
+        self._file = loaded
+        self._options = options
+        self._runtime = runtime
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._handles: list[DelegateHandle] = []
+        self._methods = {m.name: m for m in loaded.definition.methods}
+
+    @property
+    def method_names(self) -> list[str]:
+        return list(self._methods)
+
+    @property
+    def path(self) -> Path | None:
+        return self._file.path
+
+    @property
+    def definition(self):
+        return self._file.definition
+
+    def method_meta(self, name: str) -> MethodMeta:
+        return MethodMeta.from_definition(self._method_def(name), self._file.definition)
+
+    def _method_def(self, name: str):
+        try:
+            return self._methods[name]
+        except KeyError:
+            raise InvalidArgument(
+                f"Program '{self._file.source}' has no method '{name}'; it has {', '.join(self._methods)}."
+            ) from None
+
+    def load_method(self, name: str) -> Method:
+        """Initialize the method's delegates and return it ready to execute."""
+        if self._closed.is_set():
+            raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
+        definition = self._method_def(name)
+        meta = MethodMeta.from_definition(definition, self._file.definition)
+        handles: dict[int, DelegateHandle] = {}
+        try:
+            for ins in definition.instructions:
+                if not isinstance(ins, DelegateCall) or ins.delegate in handles:
+                    continue
+                delegate = self._file.definition.delegates[ins.delegate]
+                backend = get_backend(delegate.backend)
+                context = InitContext(
+                    method_name=name,
+                    delegate_index=ins.delegate,
+                    named_data=self._file.named_data,
+                    backend_options=self._options.get(delegate.backend, {}),
+                    program_path=self._file.path,
+                    cache_dir=self._runtime.cache_dir,
+                    _method_meta=lambda: meta,
+                )
+                handles[ins.delegate] = backend.init(context, delegate.manifest)
+            method = Method(definition, meta, handles, self._file.named_data, self._closed)
+        except BaseException:
+            for handle in handles.values():
+                handle.destroy()
+            raise
+        with self._lock:
+            self._handles.extend(handles.values())
+        return method
+
+    def close(self) -> None:
+        """Destroy every delegate, then unmap the program. Methods of a closed program refuse to run."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.destroy()
+        self._file.close()
+
+    def __enter__(self) -> "Program":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Delegates hold engine references into the mapping; release them before the mapping goes.
+        try:
+            self.close()
+        except Exception:
+            pass
