@@ -1,0 +1,177 @@
+"""onecopy demo | export | inspect | run"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from onecopy.errors import InvalidArgument, OnecopyError
+
+__all__ = ["main"]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _parse_shape(text: str, where: str) -> tuple[list[int], str]:
+    """'1x1024' or '1x1024:float16' -> ([1, 1024], 'float32' | dtype)."""
+    shape_text, _, dtype = text.partition(":")
+    try:
+        shape = [int(d) for d in shape_text.split("x")] if shape_text else []
+    except ValueError:
+        raise InvalidArgument(f"{where}: shape '{text}' is not like 1x1024 (or 1x1024:float16).") from None
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{where}: shape '{text}' has a negative dimension.")
+    return shape, dtype or "float32"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from onecopy.inspect import summarize
+    from onecopy.program import read_program
+
+    loaded = read_program(args.file)
+    try:
+        summary = summarize(loaded, os.path.getsize(args.file))
+        print(f"program {args.file}: {_mib(summary.file_bytes)}")
+        print(f"  code {_mib(summary.code_bytes)}, parameters {_mib(summary.parameter_bytes)} (each stored once)")
+        for method in summary.methods:
+            print(f"method {method['name']}: ({', '.join(method['inputs'])}) -> ({', '.join(method['outputs'])})")
+            for ins in method["instructions"]:
+                print(f"    {ins}")
+        for bundle in summary.bundles:
+            code = ", ".join(f"{key.rsplit('/', 1)[-1]} {_mib(n)}" for key, n in bundle.code_bytes.items())
+            print(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")
+            print(f"    functions: {', '.join(bundle.functions)} (delegates {', '.join(map(str, bundle.delegates))})")
+            print(f"    parameters: {len(bundle.parameters)} shared by its functions, {_mib(sum(bundle.parameters.values()))}")
+    finally:
+        loaded.close()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from onecopy.runtime import Runtime
+
+    inputs = []
+    for path in args.input:
+        try:
+            inputs.append(np.load(path, allow_pickle=False))
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"Input '{path}' is not a readable .npy file: {e}") from e
+    options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
+    with Runtime().load_program(args.file, backend_options=options) as program:
+        method = program.load_method(args.method)
+        outputs = method.execute(inputs)
+    if args.output and len(args.output) != len(outputs):
+        raise InvalidArgument(f"Method '{args.method}' has {len(outputs)} outputs; --output was given {len(args.output)} times.")
+    for i, out in enumerate(outputs):
+        print(f"output {i}: {out.dtype}{list(out.shape)} min {out.min():.6g} max {out.max():.6g} mean {out.mean():.6g}")
+        if args.output:
+            np.save(args.output[i], out)
+    return 0
+
+
+def _load_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InvalidArgument(f"'{spec}' is not MODULE:FACTORY (e.g. onecopy.models:builtin_model).")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InvalidArgument(f"Cannot import module '{module_name}': {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise InvalidArgument(f"Module '{module_name}' has no callable '{attr}'.")
+    return factory
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from onecopy.export import CompileSpec, Partitioner, export_program
+
+    model = _load_factory(args.model)()
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidArgument(f"'{args.model}' returned {type(model).__name__}; it must return a torch.nn.Module.")
+    model.eval()
+    methods = {}
+    for text in args.method:
+        name, _, shapes = text.partition("=")
+        if not name or not shapes:
+            raise InvalidArgument(f"--method '{text}' is not NAME=SHAPE[,SHAPE...] (e.g. forward=1x1024).")
+        example = []
+        for shape_text in shapes.split(","):
+            shape, dtype = _parse_shape(shape_text, f"--method {name}")
+            if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
+                raise InvalidArgument(f"--method {name}: unknown dtype '{dtype}'.")
+            example.append(torch.zeros(shape, dtype=getattr(torch, dtype)))
+        methods[name] = torch.export.export(model, tuple(example))
+    program = export_program(
+        methods,
+        partitioner=Partitioner(multifunction=args.multifunction, skip_ops=tuple(args.skip_op)),
+        compile_spec=CompileSpec(packaging=args.packaging, compute_units=args.compute_units, targets=tuple(args.target)),
+    )
+    path = program.save(args.output)
+    print(f"wrote {path} ({_mib(path.stat().st_size)})")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from onecopy.demo import run_demo
+
+    return run_demo(workdir=Path(args.workdir) if args.workdir else None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onecopy", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log delegate loads (specialized/restored, times)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="export, load and run the built-in model and print a report")
+    p.add_argument("--workdir", help="where to write the demo's programs (default: a temporary directory)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("export", help="export a model's methods into one program file")
+    p.add_argument("model", help="MODULE:FACTORY returning a torch.nn.Module, e.g. onecopy.models:builtin_model")
+    p.add_argument("--method", action="append", required=True, help="NAME=SHAPE[,SHAPE...], e.g. forward=1x1024")
+    p.add_argument("-o", "--output", required=True, help="program file to write")
+    p.add_argument("--packaging", choices=("mlir", "vmfb"), default="mlir")
+    p.add_argument("--compute-units", choices=("cpu", "gpu", "all"), default="cpu")
+    p.add_argument("--target", action="append", default=[], help="vmfb target (x86_64, aarch64, ...); repeatable")
+    p.add_argument("--skip-op", action="append", default=[], help="op left on the host, e.g. aten.relu.default")
+    p.add_argument("--multifunction", action="store_true", help="all methods and partitions in one engine module")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("inspect", help="methods, instructions, delegates, functions and sizes of a program")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("run", help="run one method on .npy inputs")
+    p.add_argument("file")
+    p.add_argument("--method", default="forward")
+    p.add_argument("--input", action="append", default=[], help=".npy file per input, in order")
+    p.add_argument("--output", action="append", default=[], help=".npy file per output, in order")
+    p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
+    p.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except OnecopyError as e:
+        print(f"onecopy {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

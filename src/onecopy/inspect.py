@@ -1,0 +1,81 @@
+"""What a program holds, read from its header alone (no engine, no torch): for `onecopy inspect` and the demo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onecopy.program import DelegateCall, HostOp, LoadedProgramFile, ProgramDef
+
+__all__ = ["BundleSummary", "ProgramSummary", "summarize"]
+
+
+@dataclass
+class BundleSummary:
+    export_hash: str
+    packaging: str
+    code_bytes: dict[str, int]  # bundle key -> bytes
+    functions: list[str] = field(default_factory=list)
+    parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> bytes
+    delegates: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ProgramSummary:
+    file_bytes: int
+    code_bytes: int  # unique bundle bytes
+    parameter_bytes: int  # unique parameter bytes
+    bundles: list[BundleSummary]
+    methods: list[dict]
+
+
+def _segment_sizes(definition: ProgramDef) -> tuple[dict[str, int], dict[str, tuple[int, str]]]:
+    sizes = {s.key: s.length for s in definition.segments}
+    unique = {s.key: (s.length, s.sha256) for s in definition.segments}
+    return sizes, unique
+
+
+def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
+    definition = loaded.definition
+    sizes, unique = _segment_sizes(definition)
+    bundles: dict[str, BundleSummary] = {}
+    for index, delegate in enumerate(definition.delegates):
+        manifest = delegate.manifest
+        export_hash = str(manifest.get("export_hash", f"delegate-{index}"))
+        bundle = bundles.get(export_hash)
+        if bundle is None:
+            keys = manifest.get("bundle", {}) if isinstance(manifest.get("bundle"), dict) else {}
+            params = manifest.get("parameters", {}) if isinstance(manifest.get("parameters"), dict) else {}
+            bundle = BundleSummary(
+                export_hash,
+                str(manifest.get("packaging")),
+                {key: sizes.get(key, 0) for key in keys.values()},
+                parameters={name: sizes.get(key, 0) for name, key in params.items()},
+            )
+            bundles[export_hash] = bundle
+        bundle.functions.append(str(manifest.get("function")))
+        bundle.delegates.append(index)
+    kinds = {}
+    for key, (length, digest) in unique.items():
+        kind = "code" if key.startswith("bundle/") else "parameters"
+        kinds.setdefault(kind, {})[digest] = length
+    methods = []
+    for method in definition.methods:
+        methods.append(
+            {
+                "name": method.name,
+                "inputs": [f"{s.dtype}{list(s.shape)}" for s in method.input_specs],
+                "outputs": [f"{s.dtype}{list(s.shape)}" for s in method.output_specs],
+                "instructions": [
+                    f"delegate_call {i.delegate}" if isinstance(i, DelegateCall) else f"host_op {i.op}"
+                    for i in method.instructions
+                    if isinstance(i, (DelegateCall, HostOp))
+                ],
+            }
+        )
+    return ProgramSummary(
+        file_bytes=file_bytes,
+        code_bytes=sum(kinds.get("code", {}).values()),
+        parameter_bytes=sum(kinds.get("parameters", {}).values()),
+        bundles=list(bundles.values()),
+        methods=methods,
+    )

@@ -1,0 +1,108 @@
+"""Shared fixtures: models and programs compiled once per test session."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from onecopy.export import CompileSpec, Partitioner, export_program
+from onecopy.models import builtin_methods, builtin_model
+from onecopy.program import ProgramFile
+
+PACKAGINGS = ("mlir", "vmfb")
+
+
+class TwoInTwoOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 16)
+        self.b = torch.nn.Linear(8, 16)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x)) + self.b(y)
+        return h * 2.0, torch.sigmoid(h).sum(dim=-1)
+
+
+class AttentionBlock(torch.nn.Module):
+    """Pre-norm self-attention + MLP, as in a transformer layer."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.norm2(x))
+
+
+def small_builtin():
+    return builtin_model(width=64, layers=3)
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    return small_builtin()
+
+
+@pytest.fixture(scope="session")
+def small_methods(small_model):
+    return builtin_methods(small_model, width=64)
+
+
+@pytest.fixture(scope="session")
+def small_program(small_methods) -> ProgramFile:
+    """The built-in model's shape at width 64, portable: the fixture most runtime tests load."""
+    return export_program(small_methods, compile_spec=CompileSpec(packaging="mlir"))
+
+
+@pytest.fixture(scope="session")
+def small_program_path(small_program, tmp_path_factory):
+    return small_program.save(tmp_path_factory.mktemp("programs") / "small.onecopy")
+
+
+@pytest.fixture(scope="session")
+def builtin() -> torch.nn.Module:
+    return builtin_model()
+
+
+@pytest.fixture(scope="session", params=PACKAGINGS)
+def builtin_program(request, builtin, tmp_path_factory):
+    """The real built-in model (8 x Linear(1024, 1024)) in each packaging."""
+    program = export_program(builtin_methods(builtin), compile_spec=CompileSpec(packaging=request.param))
+    return program.save(tmp_path_factory.mktemp("builtin") / f"builtin-{request.param}.onecopy")
+
+
+def eager(model: torch.nn.Module, *inputs: np.ndarray):
+    with torch.no_grad():
+        out = model(*(torch.from_numpy(x) for x in inputs))
+    outs = out if isinstance(out, tuple) else (out,)
+    return [o.numpy() for o in outs]
+
+
+def with_manifest(program: ProgramFile, index: int, **changes) -> bytes:
+    """The program's bytes with delegate `index`'s manifest fields changed (None removes a field)."""
+    definition = program.definition
+    delegates = list(definition.delegates)
+    manifest = dict(delegates[index].manifest)
+    for key, value in changes.items():
+        if value is None:
+            manifest.pop(key, None)
+        else:
+            manifest[key] = value
+    delegates[index] = msgspec.structs.replace(delegates[index], manifest=manifest)
+    return ProgramFile(msgspec.structs.replace(definition, delegates=delegates), program.data).to_bytes()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

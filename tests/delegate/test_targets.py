@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+
+from onecopy import Runtime
+from onecopy.delegate import available_compute_units
+from onecopy.delegate.targets import TARGETS, check_target_runs_here, host_cpu_target, select_target
+from onecopy.errors import DelegateError, InvalidArgument
+from onecopy.export import CompileSpec, export_program
+from tests.conftest import eager
+
+OTHER_CPU = "aarch64" if host_cpu_target().name == "x86_64" else "x86_64"
+
+
+def test_cpu_is_always_available():
+    assert "cpu" in available_compute_units()
+    assert select_target("cpu", "here") == host_cpu_target()
+    assert select_target("all", "here").compute_unit in available_compute_units()
+
+
+@pytest.mark.skipif("gpu" in available_compute_units(), reason="this machine has a GPU")
+def test_missing_compute_unit_lists_what_the_machine_has(small_program_path):
+    with pytest.raises(DelegateError, match=r"compute units 'gpu' are not available on this machine; it has cpu\. Pass backend option compute_units='cpu'"):
+        with Runtime().load_program(small_program_path, backend_options={"IreeBackend": {"compute_units": "gpu"}}) as p:
+            p.load_method("forward")
+
+
+def test_unknown_compute_units_option_is_invalid(small_program_path):
+    with pytest.raises(InvalidArgument, match=r"unknown compute units 'tpu'; expected one of cpu, gpu, all"):
+        with Runtime().load_program(small_program_path, backend_options={"IreeBackend": {"compute_units": "tpu"}}) as p:
+            p.load_method("forward")
+
+
+@pytest.fixture(scope="module")
+def two_target_program(small_methods):
+    return export_program(small_methods, compile_spec=CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64")))
+
+
+def test_vmfb_carries_one_bundle_per_target_and_parameters_once(two_target_program):
+    manifests = [d.manifest for d in two_target_program.definition.delegates]
+    assert all(set(m["bundle"]) == {"x86_64", "aarch64"} for m in manifests)
+    keys = two_target_program.data.keys()
+    assert len([k for k in keys if k.startswith("param/")]) == 6
+
+
+def test_vmfb_picks_this_machines_bundle(two_target_program, small_model, rng):
+    x = rng.standard_normal((16, 64), dtype=np.float32)
+    with Runtime().load_program(two_target_program.to_bytes()) as program:
+        (y,) = program.load_method("prefill").execute([x])
+    np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_vmfb_without_this_machines_target_lists_its_targets(small_methods):
+    program = export_program(small_methods, compile_spec=CompileSpec(packaging="vmfb", targets=(OTHER_CPU,)))
+    with pytest.raises(DelegateError, match=rf"the program has code for {OTHER_CPU} but this machine runs {host_cpu_target().name}.*re-export with targets including"):
+        with Runtime().load_program(program.to_bytes()) as p:
+            p.load_method("forward")
+
+
+def test_aot_code_needing_missing_cpu_features_is_refused(monkeypatch):
+    import onecopy.delegate.targets as targets
+
+    monkeypatch.setattr(targets, "_cpu_flags", lambda: frozenset({"sse2"}))
+    with pytest.raises(DelegateError, match=r"needs CPU features avx2, fma, bmi2, f16c that this CPU lacks"):
+        check_target_runs_here(TARGETS["x86_64"], "here")

@@ -1,0 +1,203 @@
+import numpy as np
+import pytest
+import torch
+
+from onecopy import Runtime
+from onecopy.errors import ExportError, InvalidArgument, UnsupportedOperator
+from onecopy.export import CompileSpec, Partitioner, export_program
+from onecopy.program import read_program
+from onecopy.runtime import register_host_kernel
+from tests.conftest import PACKAGINGS, AttentionBlock, TwoInTwoOut, eager
+
+
+def run_all(program_bytes_or_path, inputs_by_method):
+    with Runtime().load_program(program_bytes_or_path) as program:
+        return {name: program.load_method(name).execute(inputs) for name, inputs in inputs_by_method.items()}
+
+
+def test_builtin_model_matches_torch_eager(builtin, builtin_program, rng):
+    x1 = rng.standard_normal((1, 1024), dtype=np.float32)
+    x16 = rng.standard_normal((16, 1024), dtype=np.float32)
+    results = run_all(builtin_program, {"forward": [x1], "prefill": [x16]})
+    np.testing.assert_allclose(results["forward"][0], eager(builtin, x1)[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(results["prefill"][0], eager(builtin, x16)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_builtin_program_stores_each_weight_once(builtin_program):
+    loaded = read_program(builtin_program)
+    try:
+        params = {s.sha256: s.length for s in loaded.definition.segments if s.key.startswith("param/")}
+        assert len(params) == 16  # 8 weights + 8 biases, although two methods use them
+        assert sum(params.values()) == 8 * (1024 * 1024 + 1024) * 4
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("packaging", PACKAGINGS)
+def test_graph_break_runs_skipped_ops_on_the_host(small_model, small_methods, packaging, rng):
+    program = export_program(
+        small_methods,
+        partitioner=Partitioner(skip_ops=("aten.relu.default",)),
+        compile_spec=CompileSpec(packaging=packaging),
+    )
+    forward = next(m for m in program.definition.methods if m.name == "forward")
+    kinds = [type(i).__name__ for i in forward.instructions]
+    assert kinds == ["DelegateCall", "HostOp"] * 3
+    assert {i.op for i in forward.instructions if type(i).__name__ == "HostOp"} == {"aten.relu.default"}
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    x16 = rng.standard_normal((16, 64), dtype=np.float32)
+    results = run_all(program.to_bytes(), {"forward": [x], "prefill": [x16]})
+    np.testing.assert_allclose(results["forward"][0], eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results["prefill"][0], eager(small_model, x16)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packaging", PACKAGINGS)
+def test_two_inputs_and_two_outputs(packaging, rng):
+    torch.manual_seed(0)
+    model = TwoInTwoOut().eval()
+    x = rng.standard_normal((4, 32), dtype=np.float32)
+    y = rng.standard_normal((4, 8), dtype=np.float32)
+    ep = torch.export.export(model, (torch.from_numpy(x), torch.from_numpy(y)))
+    program = export_program({"forward": ep}, compile_spec=CompileSpec(packaging=packaging))
+    out = run_all(program.to_bytes(), {"forward": [x, y]})["forward"]
+    expected = eager(model, x, y)
+    assert len(out) == 2
+    for got, want in zip(out, expected):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_block_matches_torch_eager(rng):
+    torch.manual_seed(0)
+    model = AttentionBlock().eval()
+    x = rng.standard_normal((2, 16, 64), dtype=np.float32)
+    ep = torch.export.export(model, (torch.from_numpy(x),))
+    program = export_program({"forward": ep})
+    (got,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    np.testing.assert_allclose(got, eager(model, x)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_graph_break_inside_attention_uses_the_host_softmax(rng):
+    torch.manual_seed(0)
+    model = AttentionBlock().eval()
+    x = rng.standard_normal((1, 8, 64), dtype=np.float32)
+    ep = torch.export.export(model, (torch.from_numpy(x),))
+    program = export_program({"forward": ep}, partitioner=Partitioner(skip_ops=("aten._softmax.default",)))
+    ops = [getattr(i, "op", None) for i in program.definition.methods[0].instructions]
+    assert ops.count("aten._softmax.default") == 1
+    (got,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    np.testing.assert_allclose(got, eager(model, x)[0], rtol=1e-4, atol=1e-5)
+
+
+class CustomScale(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.onecopy_test.scale(torch.relu(x), 3.0) + 1
+
+
+@pytest.fixture(scope="module")
+def custom_op():
+    lib = torch.library.Library("onecopy_test", "DEF")
+    lib.define("scale(Tensor x, float factor) -> Tensor")
+    lib.impl("scale", lambda x, factor: x * factor, "CompositeExplicitAutograd")
+    lib.impl("scale", lambda x, factor: torch.empty_like(x), "Meta")
+    yield "onecopy_test.scale.default"
+    lib._destroy()
+
+
+def test_op_iree_cannot_import_without_host_kernel_fails_naming_it(custom_op):
+    ep = torch.export.export(CustomScale(), (torch.zeros(2, 4),))
+    with pytest.raises(UnsupportedOperator, match=r"operator 'onecopy_test.scale.default' \(node 'scale'\) can run neither in IREE nor on the host \(IREE cannot import it.*register_host_kernel\('onecopy_test.scale.default', fn\)"):
+        export_program({"forward": ep})
+
+
+def test_op_iree_cannot_import_runs_on_a_registered_host_kernel(custom_op, rng):
+    register_host_kernel(custom_op, lambda x, factor: x * np.float32(factor), replace=True)
+    ep = torch.export.export(CustomScale(), (torch.zeros(2, 4),))
+    program = export_program({"forward": ep})
+    ops = [getattr(i, "op", "delegate") for i in program.definition.methods[0].instructions]
+    assert ops == ["delegate", custom_op, "delegate"]
+    x = rng.standard_normal((2, 4), dtype=np.float32)
+    (got,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    np.testing.assert_allclose(got, np.maximum(x, 0) * 3 + 1, rtol=1e-6)
+
+
+def test_skipped_op_without_host_kernel_fails_at_export(small_methods):
+    with pytest.raises(UnsupportedOperator, match=r"operator 'aten.addmm.default' .*it is in skip_ops.* or remove it from skip_ops"):
+        export_program(small_methods, partitioner=Partitioner(skip_ops=("aten.addmm.default",)))
+
+
+def test_weights_used_by_host_ops_are_read_from_named_data(rng):
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+
+        def forward(self, x):
+            return torch.relu(x * 2) + self.bias
+
+    ep = torch.export.export(Bias().eval(), (torch.zeros(3, 8),))
+    program = export_program({"forward": ep}, partitioner=Partitioner(skip_ops=("aten.add.Tensor",)))
+    method = program.definition.methods[0]
+    assert len(method.constants) == 1
+    x = rng.standard_normal((3, 8), dtype=np.float32)
+    (got,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    np.testing.assert_allclose(got, np.maximum(x * 2, 0) + np.arange(8), rtol=1e-6)
+
+
+def test_mutating_method_is_refused():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(1))
+
+        def forward(self, x):
+            self.count.add_(1)
+            return x + self.count
+
+    ep = torch.export.export(Counter(), (torch.zeros(2),))
+    with pytest.raises(ExportError, match="Method 'forward' mutates count; onecopy methods are pure functions"):
+        export_program({"forward": ep})
+
+
+@pytest.mark.parametrize(
+    "methods, message",
+    [
+        ({}, "non-empty dict"),
+        ([1], "non-empty dict"),
+        ({"forward": object()}, "Method 'forward' must be a torch.export.ExportedProgram, got object"),
+        ({"not a name": None}, "must be a Python identifier"),
+    ],
+)
+def test_bad_methods_are_refused(methods, message):
+    with pytest.raises(InvalidArgument, match=message):
+        export_program(methods)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"packaging": "inline"}, "Unsupported packaging 'inline'; expected mlir or vmfb."),
+        ({"compute_units": "npu"}, "unknown compute units 'npu'"),
+        ({"packaging": "vmfb", "targets": ("sparc",)}, "unknown target\\(s\\) 'sparc'"),
+        ({"packaging": "mlir", "targets": ("x86_64",)}, "targets apply to packaging='vmfb' only"),
+        ({"packaging": "vmfb", "targets": "x86_64"}, "targets is a tuple of names"),
+        ({"packaging": "vmfb", "targets": ("x86_64", "x86_64")}, "name a target twice"),
+        ({"packaging": "vmfb", "compute_units": "gpu", "targets": ("x86_64",)}, "compute units 'gpu' but targets"),
+    ],
+)
+def test_compile_spec_errors(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        CompileSpec(**kwargs)
+
+
+def test_compile_spec_defaults_vmfb_to_this_machine():
+    assert CompileSpec(packaging="vmfb").targets in {("x86_64",), ("aarch64",)}
+
+
+def test_partitioner_errors():
+    with pytest.raises(InvalidArgument, match="skip_ops is a tuple of op names"):
+        Partitioner(skip_ops="aten.relu.default")
+    with pytest.raises(InvalidArgument, match="multifunction expects bool, got int"):
+        Partitioner(multifunction=1)
+    with pytest.raises(InvalidArgument, match="partitioner must be an onecopy.export.Partitioner"):
+        export_program({"forward": None}, partitioner="nope")

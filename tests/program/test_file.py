@@ -1,0 +1,184 @@
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+
+from onecopy.errors import InvalidArgument, ProgramFormatError
+from onecopy.program import (
+    FORMAT_VERSION,
+    MAGIC,
+    PAGE_SIZE,
+    DelegateCall,
+    HostOp,
+    MethodDef,
+    NamedDataStore,
+    ProgramDef,
+    ProgramFile,
+    TensorSpec,
+    ValueArg,
+    ConstArg,
+    read_program,
+)
+
+
+def tiny_program() -> ProgramFile:
+    store = NamedDataStore()
+    store.add("param/a", np.arange(1000, dtype=np.float32))
+    store.add("param/b", np.arange(1000, dtype=np.float32))  # same bytes: stored once
+    store.add("bundle/x", b"code", alignment=16)
+    method = MethodDef(
+        name="forward",
+        num_values=3,
+        inputs=[0],
+        outputs=[2],
+        input_specs=[TensorSpec(shape=[1, "seq"], dtype="float32")],
+        output_specs=[TensorSpec(shape=[1, "seq"], dtype="float32")],
+        instructions=[
+            DelegateCall(delegate=0, inputs=[0], outputs=[1]),
+            HostOp(op="aten.clamp.default", args=[ValueArg(id=1), ConstArg(value=0.0)], outputs=[2],
+                   kwargs={"max": ConstArg(value=[1, 2.5, None])}),
+        ],
+    )
+    definition = ProgramDef(methods=[method], delegates=[], segments=[])
+    return ProgramFile(definition, store)
+
+
+def test_saved_program_round_trips_exactly(tmp_path):
+    program = tiny_program()
+    path = program.save(tmp_path / "p.onecopy")
+    assert path.read_bytes() == program.to_bytes()
+    loaded = read_program(path)
+    try:
+        assert loaded.definition.methods == program.definition.methods
+        assert bytes(loaded.named_data["bundle/x"]) == b"code"
+        assert np.array_equal(np.frombuffer(loaded.named_data["param/b"], np.float32), np.arange(1000))
+        resaved = ProgramFile(loaded.definition, program.data).to_bytes()
+        assert resaved == program.to_bytes()
+    finally:
+        loaded.close()
+
+
+def test_equal_content_is_stored_once_and_parameters_are_page_aligned():
+    program = tiny_program()
+    loaded = read_program(program.to_bytes())
+    offsets = {s.key: s.offset for s in loaded.definition.segments}
+    assert offsets["param/a"] == offsets["param/b"]
+    absolute = {k: loaded.named_data.location(k)[0] for k in offsets}
+    assert absolute["param/a"] % PAGE_SIZE == 0
+    assert absolute["bundle/x"] % 16 == 0
+    assert len(program.to_bytes()) < 2 * PAGE_SIZE + 4000 + 100
+    loaded.close()
+
+
+def test_same_key_with_different_bytes_is_an_error():
+    store = NamedDataStore()
+    store.add("k", b"one")
+    store.add("k", b"one")  # same bytes again: fine
+    with pytest.raises(InvalidArgument, match="Named data key 'k' was added twice with different bytes"):
+        store.add("k", b"two")
+
+
+def test_bytes_program_is_used_in_place():
+    data = bytearray(tiny_program().to_bytes())
+    loaded = read_program(data)
+    view = loaded.named_data["bundle/x"]
+    data[loaded.named_data.location("bundle/x")[0]] = ord("C")
+    assert bytes(view) == b"Code"  # a view of the caller's buffer, not a copy
+    loaded.close()
+
+
+def test_wrong_magic_names_the_file(tmp_path):
+    path = tmp_path / "bad.onecopy"
+    path.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(ProgramFormatError, match=r"'.*bad.onecopy' is not a onecopy program \(wrong magic"):
+        read_program(path)
+
+
+def test_newer_format_version_asks_to_upgrade(tmp_path):
+    data = bytearray(tiny_program().to_bytes())
+    struct.pack_into("<I", data, 8, FORMAT_VERSION + 1)
+    with pytest.raises(ProgramFormatError, match="format version 2, newer than this onecopy reads .*upgrade onecopy"):
+        read_program(bytes(data))
+
+
+@pytest.mark.parametrize("keep", [0, 10, 40, 200])
+def test_truncated_header_is_reported(tmp_path, keep):
+    path = tmp_path / "cut.onecopy"
+    path.write_bytes(tiny_program().to_bytes()[:keep])
+    with pytest.raises(ProgramFormatError, match="empty|truncated"):
+        read_program(path)
+
+
+def test_truncated_data_names_the_segment(tmp_path):
+    data = tiny_program().to_bytes()
+    path = tmp_path / "cut.onecopy"
+    path.write_bytes(data[:-10])
+    with pytest.raises(ProgramFormatError, match=r"truncated: named data '(param/a|param/b|bundle/x)' ends at byte"):
+        read_program(path)
+
+
+def test_schema_violation_names_the_field():
+    program = tiny_program()
+    data = program.to_bytes()
+    magic, version, reserved, header_len, data_offset = struct.unpack_from("<8sIIQQ", data)
+    header = msgspec.json.decode(data[32 : 32 + header_len])
+    header["methods"][0]["instructions"][0]["delegate"] = "zero"
+    new_header = msgspec.json.encode(header)
+    assert len(new_header) <= data_offset - 32
+    patched = data[:16] + struct.pack("<QQ", len(new_header), data_offset) + new_header + data[32 + len(new_header):]
+    with pytest.raises(ProgramFormatError, match=r"violates the schema: Expected `int`, got `str` - at `\$.methods\[0\].instructions\[0\].delegate`"):
+        read_program(patched)
+
+
+def test_corrupted_header_is_an_error_not_a_crash():
+    data = bytearray(tiny_program().to_bytes())
+    data[40:48] = b"\xff" * 8
+    with pytest.raises(ProgramFormatError, match="corrupted header|violates the schema"):
+        read_program(bytes(data))
+
+
+def test_missing_file_and_directory_are_clear(tmp_path):
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        read_program(tmp_path / "nope.onecopy")
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        read_program(tmp_path)
+    with pytest.raises(InvalidArgument, match="from a path or bytes"):
+        read_program(42)
+
+
+def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
+    program = tiny_program()
+    target = tmp_path / "p.onecopy"
+    target.write_bytes(b"previous")
+
+    def boom(self, out):
+        out.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ProgramFile, "write_to", boom)
+    with pytest.raises(OSError, match="disk full"):
+        program.save(target)
+    assert target.read_bytes() == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["p.onecopy"]
+
+
+def test_save_refuses_a_directory_or_missing_parent(tmp_path):
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        tiny_program().save(tmp_path)
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        tiny_program().save(tmp_path / "missing" / "p.onecopy")
+
+
+def test_verify_detects_corrupted_named_data():
+    data = bytearray(tiny_program().to_bytes())
+    loaded = read_program(data)
+    loaded.named_data.verify("param/a")
+    data[loaded.named_data.location("param/a")[0]] ^= 0xFF
+    with pytest.raises(ProgramFormatError, match="does not match its recorded sha256"):
+        loaded.named_data.verify("param/a")
+    loaded.close()
+
+
+def test_magic_is_stable():
+    assert tiny_program().to_bytes()[:8] == MAGIC

@@ -1,0 +1,163 @@
+import gc
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from onecopy import Runtime
+from onecopy.errors import ExecutionError, InvalidArgument
+from onecopy.program import DelegateDef, ProgramFile
+from onecopy.runtime import Backend, DelegateHandle, InitContext, register_backend
+from tests.conftest import eager
+
+
+@pytest.fixture(scope="module")
+def loaded(small_program_path):
+    program = Runtime().load_program(small_program_path)
+    yield program
+    program.close()
+
+
+@pytest.fixture(scope="module")
+def forward(loaded):
+    return loaded.load_method("forward")
+
+
+def test_method_names_and_meta(loaded, forward):
+    assert loaded.method_names == ["forward", "prefill"]
+    meta = forward.method_meta
+    assert meta.name == "forward"
+    assert [(t.shape, str(t.dtype), t.memory_planned) for t in meta.inputs] == [((1, 64), "float32", True)]
+    assert [(t.shape, str(t.dtype)) for t in meta.outputs] == [((1, 64), "float32")]
+    assert meta.instructions == ("delegate_call 0",)
+    assert [(d.backend, d.function, d.packaging) for d in meta.delegates] == [("IreeBackend", "main", "mlir")]
+
+
+def test_unknown_method_lists_the_methods(loaded):
+    with pytest.raises(InvalidArgument, match="has no method 'decode'; it has forward, prefill"):
+        loaded.load_method("decode")
+
+
+def test_outputs_are_written_into_caller_storage(forward, small_model, rng):
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    out = np.full((1, 64), np.nan, np.float32)
+    (y,) = forward.execute([x], outputs=[out])
+    assert y is out
+    np.testing.assert_allclose(out, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_dlpack_inputs_and_outputs_are_accepted(forward, small_model):
+    x = torch.randn(1, 64)
+    out = torch.zeros(1, 64)
+    forward.execute([x], outputs=[out])
+    np.testing.assert_allclose(out.numpy(), eager(small_model, x.numpy())[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ([np.zeros((1, 64), np.float64)], r"Input 0 of method 'forward' has dtype float64; expected float32"),
+        ([np.zeros((2, 64), np.float32)], r"Input 0 of method 'forward' has shape \[2, 64\]; expected \[1, 64\]"),
+        ([np.zeros((64,), np.float32)], r"has shape \[64\]; expected \[1, 64\]"),
+        ([], r"Method 'forward' takes 1 inputs, got 0"),
+        ([torch.zeros(1, 64, requires_grad=True)], r"Input 0 of method 'forward' cannot be viewed .* DLPack"),
+    ],
+)
+def test_bad_inputs_are_reported(forward, inputs, message):
+    with pytest.raises(ExecutionError, match=message):
+        forward.execute(inputs)
+
+
+def test_bad_output_storage_is_reported(forward):
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(ExecutionError, match="has 1 outputs; outputs= gave 2"):
+        forward.execute([x], outputs=[None, None])
+    readonly = np.zeros((1, 64), np.float32)
+    readonly.flags.writeable = False
+    with pytest.raises(ExecutionError, match="Output 0 of method 'forward' is read-only"):
+        forward.execute([x], outputs=[readonly])
+    with pytest.raises(ExecutionError, match="Output 0 of method 'forward' has dtype float16"):
+        forward.execute([x], outputs=[np.zeros((1, 64), np.float16)])
+
+
+def test_closed_program_refuses_to_run(small_program_path):
+    program = Runtime().load_program(small_program_path)
+    method = program.load_method("forward")
+    program.close()
+    program.close()  # idempotent
+    with pytest.raises(ExecutionError, match="belongs to a closed program"):
+        method.execute([np.zeros((1, 64), np.float32)])
+    with pytest.raises(InvalidArgument, match="is closed; load it again"):
+        program.load_method("forward")
+    gc.collect()
+
+
+def test_program_from_bytes(small_program, small_model, rng):
+    x = rng.standard_normal((16, 64), dtype=np.float32)
+    with Runtime().load_program(small_program.to_bytes()) as program:
+        (y,) = program.load_method("prefill").execute([x])
+    np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_concurrent_calls_on_one_method_are_exact(forward, small_model, rng):
+    xs = [rng.standard_normal((1, 64), dtype=np.float32) for _ in range(4)]
+    expected = [eager(small_model, x)[0] for x in xs]
+    errors = []
+
+    def worker(i):
+        for _ in range(25):
+            (y,) = forward.execute([xs[i]])
+            if not np.array_equal(y, forward.execute([xs[i]])[0]) or not np.allclose(y, expected[i], atol=1e-5):
+                errors.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+class Recording(Backend):
+    """A backend that records its init context and doubles its input."""
+
+    name = "RecordingBackend"
+    options = {"factor": int, "verbose": bool, "label": str}
+    seen: list[InitContext] = []
+
+    def init(self, context, manifest):
+        Recording.seen.append(context)
+        factor = context.backend_options.get("factor", 2)
+
+        class Handle(DelegateHandle):
+            function = manifest["function"]
+
+            def execute(self, inputs, outputs):
+                return [inputs[0] * factor]
+
+            def destroy(self):
+                pass
+
+        return Handle()
+
+
+def test_delegate_init_receives_its_context(small_program, tmp_path):
+    register_backend(Recording())
+    definition = small_program.definition
+    delegates = [DelegateDef(backend="RecordingBackend", manifest={"function": "double"}) for _ in definition.delegates]
+    path = ProgramFile(msgspec.structs.replace(definition, delegates=delegates), small_program.data).save(tmp_path / "r.onecopy")
+    options = {"RecordingBackend": {"factor": 3, "verbose": True, "label": "x"}}
+    with Runtime(cache_dir=tmp_path / "cache").load_program(path, backend_options=options) as program:
+        method = program.load_method("prefill")
+        (y,) = method.execute([np.ones((16, 64), np.float32)])
+        assert any(key.startswith("param/") for key in Recording.seen[-1].named_data)
+    np.testing.assert_array_equal(y, np.full((16, 64), 3.0))
+    context = Recording.seen[-1]
+    assert context.method_name == "prefill"
+    assert context.backend_options == {"factor": 3, "verbose": True, "label": "x"}
+    assert context.method_meta().inputs[0].shape == (16, 64)
+    assert context.program_path == path
+    with pytest.raises(InvalidArgument, match="option 'verbose' expects bool, got int"):
+        Runtime().load_program(path, backend_options={"RecordingBackend": {"verbose": 1}})

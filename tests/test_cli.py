@@ -1,0 +1,68 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from onecopy.cli import main
+from tests.conftest import eager
+
+
+def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
+    assert main(["inspect", str(small_program_path)]) == 0
+    out = capsys.readouterr().out
+    assert "method forward: (float32[1, 64]) -> (float32[1, 64])" in out
+    assert "delegate_call 0" in out
+    assert "functions: main (delegates 0)" in out
+    assert "parameters 0.05 MiB (each stored once)" in out
+    assert "code " in out and "(mlir)" in out
+
+
+def test_run_reads_and_writes_npy(small_program_path, small_model, tmp_path, capsys):
+    x = np.random.default_rng(1).standard_normal((16, 64), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "y.npy"
+    assert main(["run", str(small_program_path), "--method", "prefill", "--input", str(tmp_path / "x.npy"),
+                 "--output", str(out)]) == 0
+    np.testing.assert_allclose(np.load(out), eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+    assert "output 0: float32[16, 64]" in capsys.readouterr().out
+
+
+def test_run_reports_bad_input_as_an_error_not_a_traceback(small_program_path, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros((3, 3), np.float32))
+    assert main(["run", str(small_program_path), "--input", str(tmp_path / "x.npy")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("onecopy run: error: Input 0 of method 'forward' has shape [3, 3]; expected [1, 64]")
+    assert main(["run", str(tmp_path / "missing.onecopy")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_writes_a_program_that_runs(tmp_path, capsys):
+    path = tmp_path / "two.onecopy"
+    code = main(["export", "tests.conftest:small_builtin", "--method", "forward=1x64", "--method", "prefill=16x64",
+                 "--packaging", "vmfb", "--skip-op", "aten.relu.default", "-o", str(path)])
+    assert code == 0, capsys.readouterr().err
+    assert path.exists()
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host_op aten.relu.default" in out and "(vmfb)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["export", "nope", "--method", "forward=1x4", "-o", "x"], "is not MODULE:FACTORY"),
+        (["export", "tests.conftest:small_builtin", "--method", "forward", "-o", "x"], "is not NAME=SHAPE"),
+        (["export", "tests.conftest:small_builtin", "--method", "forward=1xq", "-o", "x"], "is not like 1x1024"),
+        (["export", "no_such_module:f", "--method", "forward=1x4", "-o", "x"], "Cannot import module"),
+    ],
+)
+def test_export_argument_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_script_entry_point_runs():
+    result = subprocess.run([sys.executable, "-m", "onecopy.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "demo" in result.stdout and "inspect" in result.stdout
