@@ -106,3 +106,18 @@ def with_manifest(program: ProgramFile, index: int, **changes) -> bytes:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Every test process (and the subprocesses it starts) uses a cache of its own, never the user's."""
+    import os
+
+    directory = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("ONECOPY_CACHE_DIR")
+    os.environ["ONECOPY_CACHE_DIR"] = str(directory)
+    yield directory
+    if previous is None:
+        os.environ.pop("ONECOPY_CACHE_DIR", None)
+    else:
+        os.environ["ONECOPY_CACHE_DIR"] = previous

@@ -1,4 +1,4 @@
-"""onecopy demo | export | inspect | run"""
+"""onecopy demo | export | inspect | run | cache"""
 
 from __future__ import annotations
 
@@ -129,6 +129,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=Path(args.workdir) if args.workdir else None)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    import datetime
+
+    from onecopy.delegate.cache import open_cache
+
+    cache = open_cache(args.cache_dir)
+    if args.action == "path":
+        print(cache.directory)
+    elif args.action == "ls":
+        entries = cache.ls()
+        print(f"{'key':12}  {'packaging':9}  {'units':5}  {'target':7}  {'size':>10}  {'last use':19}  {'hits':>5}  program")
+        for e in entries:
+            when = datetime.datetime.fromtimestamp(e.last_access).strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{e.key[:12]}  {e.packaging:9}  {e.compute_units:5}  {e.target:7}  {_mib(e.size):>10}  {when}  "
+                  f"{e.hits:>5}  {e.program}")
+        print(f"{len(entries)} entries, {_mib(sum(e.size for e in entries))} of {_mib(cache.max_bytes)} in {cache.directory}")
+    elif args.action == "verify":
+        removed = cache.verify()
+        for key, problem in removed:
+            print(f"removed {key[:12]}: {problem}")
+        print(f"{len(cache.ls())} entries whole, {len(removed)} removed")
+        return 1 if removed else 0
+    elif args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onecopy", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log delegate loads (specialized/restored, times)")
@@ -160,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", action="append", default=[], help=".npy file per output, in order")
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("cache", help="the specialization cache: path | ls | verify | clear")
+    p.add_argument("action", choices=("path", "ls", "verify", "clear"))
+    p.add_argument("--cache-dir", help="cache directory (default: $ONECOPY_CACHE_DIR or the user cache dir)")
+    p.set_defaults(func=cmd_cache)
     return parser
 
 

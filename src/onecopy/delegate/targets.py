@@ -23,6 +23,7 @@ __all__ = [
     "select_target",
     "check_target_runs_here",
     "compiler_flags",
+    "host_features",
 ]
 
 log = logging.getLogger("onecopy")
@@ -151,3 +152,20 @@ def compiler_flags(target: Target, *, for_host: bool) -> list[str]:
         # Measured faster on the host CPU (AVX2): packed layouts and microkernels for matmuls.
         flags += ["--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]
     return flags
+
+
+def host_features(target: Target) -> str:
+    """What `--iree-llvmcpu-target-cpu=host` compiles for: the CPU model and its feature flags. Part of the cache
+    key, so a cache directory shared by different machines never restores code built for another CPU."""
+    if target.compute_unit != "cpu":
+        return target.name
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "CPU part")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{' '.join(sorted(_cpu_flags()))}"

@@ -1,0 +1,439 @@
+"""The specialization cache: a portable bundle is compiled once per machine, then restored by every process.
+
+Layout of a cache directory (format version in the path, so a new format never reads an old one):
+
+    <dir>/v1/entries/<key>/module.vmfb   the specialized module, memory-mapped on restore
+    <dir>/v1/entries/<key>/entry.json    size, sha256 and what it was built from
+    <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
+    <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
+    <dir>/v1/tmp/                        entries being written; published by one rename
+
+Guarantees:
+- An entry appears whole or not at all: written into tmp/ on the same filesystem, fsynced, renamed into place.
+  A process killed at any point leaves at most a tmp/ leftover (swept after a day).
+- A restored entry is checked against its recorded size and sha256; a bad one is removed, with a warning, and
+  specialized again. Entries are never unpickled: JSON metadata and a vmfb, nothing else.
+- Within a process, concurrent first loads of one key specialize once (a lock per key); across processes a file
+  lock does the same. Loads of different keys never wait on each other.
+- The directory stays under `max_bytes` by evicting least recently used entries; an entry that a process holds
+  open (a shared flock on its module) is never evicted.
+
+Thread-safety: `SpecializationCache` is safe to use from several threads; `caches.get` returns one instance per
+directory identity (device, inode), so a symlink to a cache directory is the same cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from onecopy.errors import DelegateError, InvalidArgument
+
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "DEFAULT_MAX_CACHE_BYTES",
+    "ENV_CACHE_DIR",
+    "ENV_DISABLE_CACHE",
+    "CacheIdentity",
+    "CacheEntry",
+    "EntryInfo",
+    "SpecializationCache",
+    "cache_key",
+    "default_cache_dir",
+    "open_cache",
+    "cache_disabled",
+]
+
+log = logging.getLogger("onecopy")
+
+CACHE_FORMAT_VERSION = 1
+DEFAULT_MAX_CACHE_BYTES = 4 * 2**30
+ENV_CACHE_DIR = "ONECOPY_CACHE_DIR"
+ENV_DISABLE_CACHE = "ONECOPY_DISABLE_CACHE"
+_TMP_MAX_AGE_S = 24 * 3600
+_MODULE = "module.vmfb"
+_META = "entry.json"
+
+
+def default_cache_dir() -> Path:
+    """`$ONECOPY_CACHE_DIR`, else the platform's user cache directory for onecopy."""
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("onecopy"))
+
+
+def cache_disabled() -> bool:
+    """`ONECOPY_DISABLE_CACHE=1`: every load specializes (for debugging the compiler path)."""
+    return os.environ.get(ENV_DISABLE_CACHE, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def cache_key(
+    *, export_hash: str, packaging: str, compute_units: str, target: str, features: str, compiler: str
+) -> str:
+    """sha256 of what decides the compiled code. Function bindings are not in it: all delegates of a
+    multifunction program share one entry."""
+    fields = {
+        "export_hash": export_hash,
+        "packaging": packaging,
+        "compute_units": compute_units,
+        "target": target,
+        "features": features,
+        "compiler": compiler,
+        "format": CACHE_FORMAT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """(st_dev, st_ino) of the opened cache directory: the same for every path (symlink) that reaches it."""
+
+    device: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    key: str
+    program: str
+    packaging: str
+    compute_units: str
+    target: str
+    size: int
+    created: float
+    last_access: float
+    hits: int
+
+
+class CacheEntry:
+    """A restored entry held open: its module, mapped, and a shared lock that keeps eviction away until `close()`.
+
+    The mapping is made from the open file, so it stays valid even if the entry is removed by hand meanwhile.
+    """
+
+    def __init__(self, key: str, path: Path, fd: int):
+        self.key = key
+        self.path = path
+        self._fd: int | None = fd
+        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+
+    def module(self) -> memoryview:
+        """The specialized module's bytes, in place (page cache), for `VmModule.wrap_buffer`."""
+        return memoryview(self._map)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # drops the shared flock
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class SpecializationCache:
+    def __init__(self, directory: Path, identity: CacheIdentity, max_bytes: int):
+        self.directory = directory
+        self.identity = identity
+        self.max_bytes = max_bytes
+        self.root = directory / f"v{CACHE_FORMAT_VERSION}"
+        self.entries = self.root / "entries"
+        self.tmp = self.root / "tmp"
+        self.locks = self.root / "locks"
+        for d in (self.entries, self.tmp, self.locks):
+            d.mkdir(parents=True, exist_ok=True)
+        self._index_path = self.root / "index.sqlite"
+        self._key_locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        with self._index() as db:
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, program TEXT, packaging TEXT, "
+                "compute_units TEXT, target TEXT, size INTEGER, created REAL, last_access REAL, hits INTEGER)"
+            )
+        self._sweep_tmp()
+
+    # -- index ---------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _index(self) -> Iterator[sqlite3.Connection]:
+        # One short-lived connection per use: sqlite connections are not for sharing across threads, and
+        # other processes write the same index. The busy timeout makes them take turns.
+        db = sqlite3.connect(self._index_path, timeout=60, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("BEGIN IMMEDIATE")
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        finally:
+            db.close()
+
+    def _touch(self, key: str) -> None:
+        with self._index() as db:
+            db.execute("UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (time.time(), key))
+
+    # -- public ----------------------------------------------------------------------------------------------
+
+    def entry_dir(self, key: str) -> Path:
+        return self.entries / key
+
+    def get_or_specialize(
+        self, key: str, specialize: Callable[[], bytes], *, program: str, packaging: str, compute_units: str,
+        target: str,
+    ) -> tuple[CacheEntry, str]:
+        """Restore `key`, or run `specialize` (once across threads and processes) and publish its result.
+
+        Returns the opened entry and "restored" or "specialized".
+        """
+        with self._key_lock(key):
+            entry = self._restore(key)
+            if entry is not None:
+                return entry, "restored"
+            from filelock import FileLock
+
+            with FileLock(self.locks / f"{key}.lock"):
+                entry = self._restore(key)  # another process may have published it while we waited
+                if entry is not None:
+                    return entry, "restored"
+                code = specialize()
+                self._publish(key, code, program=program, packaging=packaging, compute_units=compute_units,
+                              target=target)
+            entry = self._restore(key)
+            if entry is None:
+                raise DelegateError(f"The cache entry {key[:12]} in '{self.directory}' vanished right after it was written.")
+            self._evict(keep=key)
+            return entry, "specialized"
+
+    def ls(self) -> list[EntryInfo]:
+        with self._index() as db:
+            rows = db.execute(
+                "SELECT key, program, packaging, compute_units, target, size, created, last_access, hits "
+                "FROM entries ORDER BY last_access DESC"
+            ).fetchall()
+        return [EntryInfo(*row) for row in rows]
+
+    def total_bytes(self) -> int:
+        with self._index() as db:
+            (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+        return int(total)
+
+    def verify(self) -> list[tuple[str, str]]:
+        """Check every entry; remove bad ones. Returns (key, problem) for each removed entry."""
+        removed = []
+        for path in sorted(self.entries.iterdir()):
+            problem = self._check(path.name)
+            if problem is not None:
+                removed.append((path.name, problem))
+                self._remove(path.name)
+        # Rows whose entry directory is gone (removed by hand) are dropped too.
+        with self._index() as db:
+            for (key,) in db.execute("SELECT key FROM entries").fetchall():
+                if not (self.entries / key).exists():
+                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        return removed
+
+    def clear(self) -> int:
+        """Remove every entry not in use. Returns how many were removed."""
+        count = 0
+        for path in sorted(self.entries.iterdir()):
+            if self._remove(path.name, only_if_unused=True):
+                count += 1
+        return count
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        with self._guard:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.Lock()
+            return lock
+
+    def _check(self, key: str) -> str | None:
+        """None when the entry is whole, else what is wrong with it."""
+        path = self.entries / key
+        try:
+            meta = json.loads((path / _META).read_text())
+            size = (path / _MODULE).stat().st_size
+        except (OSError, ValueError) as e:
+            return f"unreadable ({e.__class__.__name__}: {e})"
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return "metadata names another key"
+        if size != meta.get("size"):
+            return f"truncated: {size} bytes, recorded {meta.get('size')}"
+        if _sha256_file(path / _MODULE) != meta.get("sha256"):
+            return "checksum mismatch"
+        return None
+
+    def _restore(self, key: str) -> CacheEntry | None:
+        path = self.entries / key
+        if not path.exists():
+            return None
+        problem = self._check(key)
+        if problem is not None:
+            log.warning("cache entry %s in %s is corrupted (%s); removing it and specializing again",
+                        key[:12], self.directory, problem)
+            self._remove(key)
+            return None
+        try:
+            fd = os.open(path / _MODULE, os.O_RDONLY)
+        except FileNotFoundError:  # evicted between the check and the open
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.fstat(fd).st_ino != os.stat(path / _MODULE).st_ino:
+                raise FileNotFoundError  # replaced between the check and the lock
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        self._touch(key)
+        return CacheEntry(key, path / _MODULE, fd)
+
+    def _publish(self, key: str, code: bytes, **info: str) -> None:
+        staging = Path(tempfile.mkdtemp(prefix=f"{key[:16]}.", dir=self.tmp))
+        try:
+            meta = {"key": key, "size": len(code), "sha256": hashlib.sha256(code).hexdigest(),
+                    "created": time.time(), "format": CACHE_FORMAT_VERSION, **info}
+            for name, data in ((_MODULE, code), (_META, json.dumps(meta, indent=1).encode())):
+                with open(staging / name, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            _fsync_dir(staging)
+            os.rename(staging, self.entries / key)
+            _fsync_dir(self.entries)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if e.errno == errno.ENOSPC:
+                raise DelegateError(f"The cache directory '{self.directory}' is full; run `onecopy cache clear`.") from e
+            raise
+        now = time.time()
+        with self._index() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                (key, info["program"], info["packaging"], info["compute_units"], info["target"], len(code), now, now),
+            )
+
+    def _remove(self, key: str, *, only_if_unused: bool = False) -> bool:
+        path = self.entries / key
+        if only_if_unused and self._in_use(path):
+            return False
+        # Rename out of entries/ first so no reader ever sees a half-deleted entry.
+        trash = self.tmp / f"trash-{key[:16]}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            pass
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
+        with self._index() as db:
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        return True
+
+    @staticmethod
+    def _in_use(path: Path) -> bool:
+        try:
+            fd = os.open(path / _MODULE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def _evict(self, *, keep: str) -> None:
+        total = self.total_bytes()
+        if total <= self.max_bytes:
+            return
+        for info in sorted(self.ls(), key=lambda e: e.last_access):
+            if total <= self.max_bytes:
+                break
+            if info.key == keep:
+                continue
+            if self._remove(info.key, only_if_unused=True):
+                log.info("cache: evicted %s (%d bytes) from %s", info.key[:12], info.size, self.directory)
+                total -= info.size
+
+    def _sweep_tmp(self) -> None:
+        cutoff = time.time() - _TMP_MAX_AGE_S
+        for path in self.tmp.iterdir():
+            try:
+                if path.stat().st_mtime < cutoff:
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+            except OSError:
+                pass
+
+
+_caches: dict[CacheIdentity, SpecializationCache] = {}
+_caches_lock = threading.Lock()
+
+
+def open_cache(directory: str | os.PathLike[str] | None, *, max_bytes: int | None = None) -> SpecializationCache:
+    """The cache at `directory` (None: the default), one instance per directory identity in this process."""
+    path = Path(directory) if directory is not None else default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise InvalidArgument(
+            f"Cache directory '{path}' cannot be created or written ({e.strerror or e}); pass a writable "
+            f"cache_dir (Runtime(cache_dir=...) or backend option cache_dir) or set {ENV_CACHE_DIR}."
+        ) from e
+    if max_bytes is not None and max_bytes <= 0:
+        raise InvalidArgument(f"max_cache_bytes must be positive, got {max_bytes}.")
+    identity = CacheIdentity(st.st_dev, st.st_ino)
+    with _caches_lock:
+        cache = _caches.get(identity)
+        if cache is None:
+            try:
+                cache = SpecializationCache(path, identity, max_bytes or DEFAULT_MAX_CACHE_BYTES)
+            except (OSError, sqlite3.Error) as e:
+                raise InvalidArgument(f"Cache directory '{path}' cannot be used: {e}.") from e
+            _caches[identity] = cache
+        elif max_bytes is not None:
+            cache.max_bytes = max_bytes
+        return cache

@@ -1,0 +1,241 @@
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from onecopy import Runtime
+from onecopy.cli import main as cli
+from onecopy.delegate.cache import open_cache
+from onecopy.errors import DelegateError, InvalidArgument
+from onecopy.export import CompileSpec, Partitioner, export_program
+from onecopy.models import builtin_methods, builtin_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mf_program(small_methods, tmp_path_factory):
+    program = export_program(small_methods, partitioner=Partitioner(multifunction=True))
+    return program.save(tmp_path_factory.mktemp("cache-programs") / "mf.onecopy")
+
+
+def program_of_width(width: int, directory: Path) -> Path:
+    model = builtin_model(width=width, layers=1)
+    return export_program(builtin_methods(model, batches={"forward": 1}, width=width)).save(directory / f"w{width}.onecopy")
+
+
+@pytest.fixture
+def states(caplog):
+    caplog.set_level(logging.INFO, logger="onecopy")
+
+    def read():
+        return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("kind=")]
+
+    return read
+
+
+def load_all(path, runtime_cache_dir, **options):
+    program = Runtime(cache_dir=runtime_cache_dir).load_program(path, backend_options={"IreeBackend": options} if options else None)
+    methods = [program.load_method(name) for name in program.method_names]
+    return program, methods
+
+
+def child(program, cache_dir, *extra, env=None, wait=True):
+    cmd = [sys.executable, "-m", "tests.delegate.load_child", str(program), str(cache_dir), *extra]
+    full_env = {**os.environ, **(env or {})}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_one_specialization_serves_every_delegate_and_process(mf_program, tmp_path, states):
+    program, methods = load_all(mf_program, tmp_path)
+    assert states() == ["specialized", "restored"]  # forward_0 specializes, prefill_0 restores the same entry
+    expected = [float(m.execute([np.ones([int(d) for d in m.method_meta.inputs[0].shape], np.float32)])[0].sum())
+                for m in methods]
+    program.close()
+    assert len(open_cache(tmp_path).ls()) == 1
+    for _ in range(2):  # fresh processes restore and never compile
+        out = child(mf_program, tmp_path, env={"ONECOPY_FORBID_SPECIALIZE": "1"})
+        assert out["states"] == ["restored", "restored"]
+        assert out["sums"] == pytest.approx(expected, rel=1e-6)
+    assert open_cache(tmp_path).ls()[0].hits >= 5
+
+
+def test_forbid_hook_fails_an_unexpected_compile(mf_program, tmp_path, monkeypatch):
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")
+    with pytest.raises(DelegateError, match="specialization is forbidden"):
+        load_all(mf_program, tmp_path)
+    assert open_cache(tmp_path).ls() == []
+
+
+def test_symlinked_cache_dir_is_the_same_cache(mf_program, tmp_path, states, monkeypatch):
+    real = tmp_path / "real"
+    alias = tmp_path / "alias"
+    real.mkdir()
+    alias.symlink_to(real, target_is_directory=True)
+    assert open_cache(real) is open_cache(alias)
+    assert open_cache(real).identity == open_cache(alias).identity
+    load_all(mf_program, real)[0].close()
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")
+    load_all(mf_program, alias)[0].close()
+    assert states() == ["specialized", "restored", "restored", "restored"]
+    out = child(mf_program, alias, env={"ONECOPY_FORBID_SPECIALIZE": "1"})
+    assert out["states"] == ["restored", "restored"]
+
+
+def _entry_module(cache_dir: Path) -> Path:
+    (entry,) = (cache_dir / "v1" / "entries").iterdir()
+    return entry / "module.vmfb"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_meta"])
+def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, caplog, damage):
+    load_all(mf_program, tmp_path)[0].close()
+    module = _entry_module(tmp_path)
+    data = module.read_bytes()
+    if damage == "truncate":
+        module.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        module.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    else:
+        (module.parent / "entry.json").unlink()
+    program, methods = load_all(mf_program, tmp_path)
+    (y,) = methods[0].execute([np.ones((1, 64), np.float32)])
+    program.close()
+    assert states() == ["specialized", "restored", "specialized", "restored"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("is corrupted" in w and "specializing again" in w for w in warnings)
+    assert _entry_module(tmp_path).read_bytes() == data
+    assert np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("point", ["compile", "publish"])
+def test_process_killed_mid_specialization_leaves_no_entry(mf_program, tmp_path, point, states):
+    marker = tmp_path / "marker"
+    cache_dir = tmp_path / "cache"
+    proc = child(mf_program, cache_dir, "--hang-at", point, "--marker", str(marker), wait=False)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert list((cache_dir / "v1" / "entries").iterdir()) == []
+    leftovers = list((cache_dir / "v1" / "tmp").iterdir())
+    assert len(leftovers) == (1 if point == "publish" else 0)
+    load_all(mf_program, cache_dir)[0].close()  # the lock died with the process: no wait, no error
+    assert states() == ["specialized", "restored"]
+    assert len(open_cache(cache_dir).ls()) == 1
+
+
+def test_racing_processes_on_a_cold_key_compile_once(mf_program, tmp_path):
+    procs = [child(mf_program, tmp_path, wait=False) for _ in range(3)]
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    all_states = [s for out in outs for s in out["states"]]
+    assert all_states.count("specialized") == 1
+    assert all_states.count("restored") == 5
+    assert all(out["sums"] == outs[0]["sums"] for out in outs)
+
+
+def test_eviction_keeps_the_cache_under_its_limit_and_spares_open_entries(tmp_path, states):
+    programs = [program_of_width(w, tmp_path) for w in (32, 48, 80)]
+    cache_dir = tmp_path / "cache"
+    first, _ = load_all(programs[0], cache_dir)  # stays open: its entry is in use
+    size = open_cache(cache_dir).total_bytes()
+    limit = int(size * 1.5)  # room for one entry only
+    load_all(programs[1], cache_dir, max_cache_bytes=limit)[0].close()
+    cache = open_cache(cache_dir)
+    assert len(cache.ls()) == 2  # over the limit, but the first is open: never evicted
+    load_all(programs[2], cache_dir, max_cache_bytes=limit)[0].close()
+    kept = {e.program for e in cache.ls()}
+    assert kept == {str(programs[0]), str(programs[2])}  # the LRU unused one (programs[1]) went
+    first.close()
+    load_all(programs[1], cache_dir, max_cache_bytes=limit)[0].close()
+    assert cache.total_bytes() <= limit
+    assert {e.program for e in cache.ls()} == {str(programs[1])}
+
+
+def test_old_tmp_leftovers_are_swept(tmp_path):
+    cache = open_cache(tmp_path)
+    stale = cache.tmp / "stale.abc"
+    fresh = cache.tmp / "fresh.abc"
+    stale.mkdir()
+    fresh.mkdir()
+    old = time.time() - 2 * 24 * 3600
+    os.utime(stale, (old, old))
+    cache._sweep_tmp()
+    assert not stale.exists() and fresh.exists()
+
+
+def test_disabled_cache_specializes_every_time(mf_program, tmp_path, states, monkeypatch):
+    monkeypatch.setenv("ONECOPY_DISABLE_CACHE", "1")
+    load_all(mf_program, tmp_path / "c")[0].close()
+    assert states() == ["specialized", "specialized"]
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_dir_option_overrides_the_runtime(mf_program, tmp_path, states):
+    load_all(mf_program, tmp_path / "runtime-dir", cache_dir=str(tmp_path / "option-dir"))[0].close()
+    assert (tmp_path / "option-dir" / "v1" / "entries").exists()
+    assert not (tmp_path / "runtime-dir").exists()
+
+
+def test_bad_cache_dir_is_a_clear_error(mf_program, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(InvalidArgument, match=r"Cache directory '.*file/cache' cannot be created or written .*pass a writable cache_dir"):
+        load_all(mf_program, blocker / "cache")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"cache_dir": 3}, "option 'cache_dir' expects str, got int"),
+        ({"max_cache_bytes": "1G"}, "option 'max_cache_bytes' expects int, got str"),
+        ({"max_cache_bytes": True}, "option 'max_cache_bytes' expects int, got bool"),
+    ],
+)
+def test_cache_option_types(mf_program, options, message):
+    with pytest.raises(InvalidArgument, match=message):
+        Runtime().load_program(mf_program, backend_options={"IreeBackend": options})
+
+
+def test_negative_cache_limit_is_refused(mf_program, tmp_path):
+    with pytest.raises(InvalidArgument, match="max_cache_bytes must be positive"):
+        load_all(mf_program, tmp_path, max_cache_bytes=-1)
+
+
+def test_cache_cli(mf_program, tmp_path, capsys):
+    load_all(mf_program, tmp_path)[0].close()
+    assert cli(["cache", "path", "--cache-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path)
+    assert cli(["cache", "ls", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mlir" in out and "cpu" in out and str(mf_program) in out and "1 entries" in out
+    assert cli(["cache", "verify", "--cache-dir", str(tmp_path)]) == 0
+    assert "1 entries whole, 0 removed" in capsys.readouterr().out
+    module = _entry_module(tmp_path)
+    module.write_bytes(module.read_bytes()[:10])
+    assert cli(["cache", "verify", "--cache-dir", str(tmp_path)]) == 1
+    assert "truncated" in capsys.readouterr().out
+    load_all(mf_program, tmp_path)[0].close()
+    assert cli(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert open_cache(tmp_path).ls() == []
