@@ -1,17 +1,17 @@
 """The engine adapter: everything that touches IREE's compiler and runtime lives here.
 
-Thread-safety: the VM instance and HAL devices are process-wide and safe to share. A `LoadedModel` owns one VM
-context, which is not for concurrent use from several threads (an IREE fact), so its calls are serialized by a
-lock; sharing a module across contexts is the shared-model issue's business.
+Thread-safety: the VM instance and HAL devices are process-wide and safe to share. A `LoadedModel` (code module,
+parameters) is immutable and safe to share; each call runs in a VM context checked out for that call alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +82,28 @@ def hal_device(driver: str) -> Any:
 
 
 class LoadedModel:
-    """An engine module with its parameters, in one VM context on one device."""
+    """An engine module with its parameters on one device: immutable, shared by delegates and threads.
 
-    def __init__(self, vmfb: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str):
+    The code module, the parameter provider and the HAL device are read-only once built and safe to use from
+    several threads. What is not (an IREE fact) is a VM context; so each concurrent call checks out a context of
+    its own from a small pool, grown only as far as the concurrency actually reached. Calls from different
+    threads therefore run at the same time, with no lock held while the engine computes.
+    """
+
+    def __init__(
+        self,
+        vmfb: bytes | memoryview,
+        parameters: Mapping[str, memoryview],
+        target: Target,
+        where: str,
+        *,
+        keepalive: Any = None,
+    ):
         import iree.runtime as ireert
 
         self.where = where
         self.target = target
-        instance = vm_instance()
+        self._instance = vm_instance()
         self.device = hal_device(target.driver)
         index = ireert.ParameterIndex()
         for name, view in parameters.items():
@@ -97,21 +111,47 @@ class LoadedModel:
             index.add_buffer(name, view)
         provider = index.create_provider(scope=PARAMETER_SCOPE)
         try:
-            module = ireert.VmModule.wrap_buffer(instance, vmfb)
+            module = ireert.VmModule.wrap_buffer(self._instance, vmfb)
         except ValueError:  # not aligned for in-place use (e.g. fresh compiler output): take a copy
-            module = ireert.VmModule.copy_buffer(instance, vmfb)
-        self._vmfb = vmfb  # Hold the bytes so the wrapped module is not freed.
+            module = ireert.VmModule.copy_buffer(self._instance, vmfb)
+        # Hold the bytes (and the cache entry they map) so the wrapped module is never freed under the engine.
+        self._vmfb = vmfb
+        self._keepalive = keepalive
         self.module = module
-        modules = [
-            ireert.create_hal_module(instance, self.device),
-            ireert.create_io_parameters_module(instance, provider),
+        self._modules = [
+            ireert.create_hal_module(self._instance, self.device),
+            ireert.create_io_parameters_module(self._instance, provider),
             module,
         ]
+        self._pool: list[Any] = []
+        self._pool_lock = threading.Lock()
+        self.contexts_created = 0
+        self.load_state = "restored"  # or "specialized": how the backend obtained the code, for its log
+        self._pool.append(self._new_context())  # fail at load, not at the first call
+
+    def _new_context(self) -> Any:
+        import iree.runtime as ireert
+
         try:
-            self.context = ireert.VmContext(instance, modules=modules)
+            context = ireert.VmContext(self._instance, modules=self._modules)
         except RuntimeError as e:
-            raise DelegateError(f"{where}: IREE could not initialize the module: {e}") from e
-        self.lock = threading.Lock()
+            raise DelegateError(f"{self.where}: IREE could not initialize the module: {e}") from e
+        with self._pool_lock:
+            self.contexts_created += 1
+        return context
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[Any]:
+        """A VM context for the caller's exclusive use during one call."""
+        with self._pool_lock:
+            context = self._pool.pop() if self._pool else None
+        if context is None:
+            context = self._new_context()
+        try:
+            yield context
+        finally:
+            with self._pool_lock:
+                self._pool.append(context)
 
     def function(self, name: str) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
@@ -121,6 +161,16 @@ class LoadedModel:
                 "Re-export the program."
             )
         return EngineFunction(self, vm_function, name)
+
+    def close(self) -> None:
+        """Drop the contexts and modules; the cache entry (if any) is released after them."""
+        with self._pool_lock:
+            self._pool.clear()
+        self._modules = []
+        self.module = None
+        keepalive, self._keepalive = self._keepalive, None
+        if keepalive is not None and hasattr(keepalive, "close"):
+            keepalive.close()
 
 
 class EngineFunction:
@@ -151,9 +201,9 @@ class EngineFunction:
             )
             args.push_ref(view)
         results = rt.VmVariantList(len(outputs))
-        with self.model.lock:
+        with self.model.context() as context:
             try:
-                self.model.context.invoke(self._vm_function, args, results)
+                context.invoke(self._vm_function, args, results)
             except RuntimeError as e:
                 raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
         produced = []
