@@ -1,0 +1,42 @@
+"""A second process for the surface tests: opens a surface by name and writes to it or holds its lock.
+
+    python -m tests.surface_child write NAME VALUE [--no-close]   fill the frame with VALUE under the write lock
+    python -m tests.surface_child hold NAME read|write             take the lock, print "locked", sleep until killed
+
+`write` prints one line: the generation after its writable unlock. With --no-close it exits without closing the
+surface, as a crashing process would.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+from onecopy.surface import Surface
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("action", choices=("write", "hold"))
+    parser.add_argument("name")
+    parser.add_argument("value")
+    parser.add_argument("--no-close", action="store_true")
+    args = parser.parse_args()
+
+    surface = Surface.open(args.name)
+    if args.action == "write":
+        with surface.lock() as frame:
+            frame[:] = float(args.value)
+        print(surface.generation, flush=True)
+        if args.no_close:
+            os._exit(0)
+        surface.close()
+    else:
+        with surface.lock(readonly=args.value == "read"):
+            print("locked", flush=True)
+            time.sleep(600)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
