@@ -35,7 +35,7 @@ def main():
     parser.add_argument("--marker")
     args = parser.parse_args()
 
-    import onecopy.delegate.backend as backend
+    import onecopy.delegate.specialize as backend
     import onecopy.delegate.cache as cache
 
     def hang():

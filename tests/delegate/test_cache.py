@@ -99,7 +99,17 @@ def _entry_module(cache_dir: Path) -> Path:
     return entry / "module.vmfb"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_meta"])
+def test_entry_holds_the_weights_encoded_once_for_this_machine(mf_program, tmp_path):
+    load_all(mf_program, tmp_path)[0].close()
+    entry = _entry_module(tmp_path).parent
+    meta = json.loads((entry / "entry.json").read_text())
+    assert meta["encoded"], "data tiling packs the weights: the entry must carry them packed"
+    assert all(e["offset"] % 4096 == 0 for e in meta["encoded"])
+    assert (entry / "encoded.bin").stat().st_size == meta["files"]["encoded.bin"]["size"] > 0
+    assert open_cache(tmp_path).ls()[0].size == sum(f["size"] for f in meta["files"].values())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "flip_encoded", "delete_meta"])
 def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, caplog, damage):
     load_all(mf_program, tmp_path)[0].close()
     module = _entry_module(tmp_path)
@@ -108,6 +118,11 @@ def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, capl
         module.write_bytes(data[: len(data) // 2])
     elif damage == "flip":
         module.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    elif damage == "flip_encoded":
+        encoded = module.parent / "encoded.bin"
+        blob = bytearray(encoded.read_bytes())
+        blob[len(blob) // 2] ^= 0x01
+        encoded.write_bytes(bytes(blob))
     else:
         (module.parent / "entry.json").unlink()
     program, methods = load_all(mf_program, tmp_path)

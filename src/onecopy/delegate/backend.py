@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabled, cache_key, open_cache
-from onecopy.delegate.engine import EngineFunction, LoadedModel, compile_bundle, compiler_version
+from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version
+from onecopy.delegate.specialize import specialize
 from onecopy.delegate.manifest import Manifest, parse_manifest
 from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
 from onecopy.delegate.shared_models import shared_models
@@ -24,23 +24,6 @@ from onecopy.runtime.init_context import InitContext
 __all__ = ["IreeBackend", "IreeDelegate", "specialize"]
 
 log = logging.getLogger("onecopy")
-
-
-ENV_FORBID_SPECIALIZE = "ONECOPY_FORBID_SPECIALIZE"
-
-
-def specialize(source: memoryview, target: Target, where: str) -> bytes:
-    """Compile a portable bundle for this machine. The one place an `mlir` bundle becomes code.
-
-    `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
-    use it to prove a load was restored.
-    """
-    if os.environ.get(ENV_FORBID_SPECIALIZE, "") not in ("", "0"):
-        raise DelegateError(f"{where}: specialization is forbidden ({ENV_FORBID_SPECIALIZE} is set) but the cache has no entry.")
-    try:
-        return compile_bundle(source, target, for_host=True)
-    except DelegateError as e:
-        raise DelegateError(f"{where}: {e}") from e
 
 
 def _named(named_data: NamedData, key: str, what: str, where: str) -> memoryview:
@@ -170,29 +153,32 @@ class IreeBackend(Backend):
         (or specialized into it). Parameters always come from the program's mapping, never copied."""
         where, manifest, target = context.where, resolved.manifest, resolved.target
         entry: CacheEntry | None = None
+        encoded: dict[str, memoryview] = {}
+        parameters = {
+            name: _named(context.named_data, key, f"parameter '{name}'", where)
+            for name, key in manifest.parameters.items()
+        }
         if manifest.packaging == "vmfb":
             code: bytes | memoryview = _named(context.named_data, manifest.bundle[target.name], "bundle", where)
             state = "restored"
         else:
             source = _named(context.named_data, manifest.bundle["portable"], "bundle", where)
             if resolved.cache is None:
-                code, state = specialize(source, target, where), "specialized"
+                result = specialize(source, parameters, target, where)
+                code, state = result.module, "specialized"
+                encoded = {name: memoryview(array) for name, array in result.encoded.items()}
             else:
                 entry, state = resolved.cache.get_or_specialize(
                     resolved.cache_key,  # type: ignore[arg-type]
-                    lambda: specialize(source, target, where),
+                    lambda: specialize(source, parameters, target, where),
                     program=str(context.program_path or "<bytes>"),
                     packaging=manifest.packaging,
                     compute_units=resolved.units,
                     target=target.name,
                 )
-                code = entry.module()
-        parameters = {
-            name: _named(context.named_data, key, f"parameter '{name}'", where)
-            for name, key in manifest.parameters.items()
-        }
+                code, encoded = entry.module(), entry.encoded()
         try:
-            model = LoadedModel(code, parameters, target, where, keepalive=entry)
+            model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry)
         except BaseException:
             if entry is not None:
                 entry.close()

@@ -3,7 +3,8 @@
 Layout of a cache directory (format version in the path, so a new format never reads an old one):
 
     <dir>/v1/entries/<key>/module.vmfb   the specialized module, memory-mapped on restore
-    <dir>/v1/entries/<key>/entry.json    size, sha256 and what it was built from
+    <dir>/v1/entries/<key>/encoded.bin   the weights encoded (packed) for this machine, page-aligned, mapped
+    <dir>/v1/entries/<key>/entry.json    sizes, checksums and what it was built from
     <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
     <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
     <dir>/v1/tmp/                        entries being written; published by one rename
@@ -11,8 +12,9 @@ Layout of a cache directory (format version in the path, so a new format never r
 Guarantees:
 - An entry appears whole or not at all: written into tmp/ on the same filesystem, fsynced, renamed into place.
   A process killed at any point leaves at most a tmp/ leftover (swept after a day).
-- A restored entry is checked against its recorded size and sha256; a bad one is removed, with a warning, and
-  specialized again. Entries are never unpickled: JSON metadata and a vmfb, nothing else.
+- A restored entry is checked against its recorded sizes and checksums (xxh3-128: a corrupted page must be
+  caught on every restore, and sha256 of the encoded weights would cost a warm load ~80 ms); a bad one is
+  removed, with a warning, and specialized again. Entries are never unpickled: JSON metadata and a vmfb, nothing else.
 - Within a process, concurrent first loads of one key specialize once (a lock per key); across processes a file
   lock does the same. Loads of different keys never wait on each other.
 - The directory stays under `max_bytes` by evicting least recently used entries; an entry that a process holds
@@ -40,8 +42,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onecopy.errors import DelegateError, InvalidArgument
+
+if TYPE_CHECKING:
+    from onecopy.delegate.specialize import Specialization
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
@@ -66,7 +72,9 @@ ENV_CACHE_DIR = "ONECOPY_CACHE_DIR"
 ENV_DISABLE_CACHE = "ONECOPY_DISABLE_CACHE"
 _TMP_MAX_AGE_S = 24 * 3600
 _MODULE = "module.vmfb"
+_ENCODED = "encoded.bin"
 _META = "entry.json"
+_PAGE = 4096
 
 
 def default_cache_dir() -> Path:
@@ -123,20 +131,28 @@ class EntryInfo:
 
 
 class CacheEntry:
-    """A restored entry held open: its module, mapped, and a shared lock that keeps eviction away until `close()`.
+    """A restored entry held open: its files, mapped, and a shared lock that keeps eviction away until `close()`.
 
-    The mapping is made from the open file, so it stays valid even if the entry is removed by hand meanwhile.
+    The mappings are made from the open files, so they stay valid even if the entry is removed meanwhile.
     """
 
-    def __init__(self, key: str, path: Path, fd: int):
+    def __init__(self, key: str, path: Path, fd: int, maps: dict[str, mmap.mmap], encoded: list[dict]):
         self.key = key
         self.path = path
         self._fd: int | None = fd
-        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        self._maps = maps
+        self._encoded = encoded
 
     def module(self) -> memoryview:
         """The specialized module's bytes, in place (page cache), for `VmModule.wrap_buffer`."""
-        return memoryview(self._map)
+        return memoryview(self._maps[_MODULE])
+
+    def encoded(self) -> dict[str, memoryview]:
+        """The encoded parameters (scope `encoded`), each a view into the mapped encoded.bin."""
+        if not self._encoded:
+            return {}
+        view = memoryview(self._maps[_ENCODED])
+        return {e["name"]: view[e["offset"] : e["offset"] + e["size"]] for e in self._encoded}
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -147,20 +163,25 @@ class CacheEntry:
         self.close()
 
 
+def _checksum(data: object) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _map(path: Path) -> mmap.mmap | None:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class SpecializationCache:
@@ -213,8 +234,8 @@ class SpecializationCache:
         return self.entries / key
 
     def get_or_specialize(
-        self, key: str, specialize: Callable[[], bytes], *, program: str, packaging: str, compute_units: str,
-        target: str,
+        self, key: str, specialize: Callable[[], "Specialization"], *, program: str, packaging: str,
+        compute_units: str, target: str,
     ) -> tuple[CacheEntry, str]:
         """Restore `key`, or run `specialize` (once across threads and processes) and publish its result.
 
@@ -230,8 +251,8 @@ class SpecializationCache:
                 entry = self._restore(key)  # another process may have published it while we waited
                 if entry is not None:
                     return entry, "restored"
-                code = specialize()
-                self._publish(key, code, program=program, packaging=packaging, compute_units=compute_units,
+                result = specialize()
+                self._publish(key, result, program=program, packaging=packaging, compute_units=compute_units,
                               target=target)
             entry = self._restore(key)
             if entry is None:
@@ -284,56 +305,90 @@ class SpecializationCache:
                 lock = self._key_locks[key] = threading.Lock()
             return lock
 
-    def _check(self, key: str) -> str | None:
-        """None when the entry is whole, else what is wrong with it."""
+    def _open_checked(self, key: str) -> tuple[dict[str, mmap.mmap], dict] | str:
+        """Map the entry's files and check them against entry.json: (maps, meta), or what is wrong."""
         path = self.entries / key
         try:
             meta = json.loads((path / _META).read_text())
-            size = (path / _MODULE).stat().st_size
-        except (OSError, ValueError) as e:
+            files = meta["files"]
+            maps = {}
+            for name, info in files.items():
+                size = (path / name).stat().st_size
+                if size != info["size"]:
+                    return f"truncated: {name} has {size} bytes, recorded {info['size']}"
+                mapped = _map(path / name)
+                if _checksum(mapped if mapped is not None else b"") != info["checksum"]:
+                    return f"checksum mismatch in {name}"
+                if mapped is not None:
+                    maps[name] = mapped
+        except (OSError, ValueError, KeyError, TypeError) as e:
             return f"unreadable ({e.__class__.__name__}: {e})"
-        if not isinstance(meta, dict) or meta.get("key") != key:
-            return "metadata names another key"
-        if size != meta.get("size"):
-            return f"truncated: {size} bytes, recorded {meta.get('size')}"
-        if _sha256_file(path / _MODULE) != meta.get("sha256"):
-            return "checksum mismatch"
+        if meta.get("key") != key or _MODULE not in maps:
+            return "metadata names another key or no module"
+        return maps, meta
+
+    def _check(self, key: str) -> str | None:
+        """None when the entry is whole, else what is wrong with it."""
+        result = self._open_checked(key)
+        if isinstance(result, str):
+            return result
+        for mapped in result[0].values():
+            mapped.close()
         return None
 
     def _restore(self, key: str) -> CacheEntry | None:
         path = self.entries / key
         if not path.exists():
             return None
-        problem = self._check(key)
-        if problem is not None:
-            log.warning("cache entry %s in %s is corrupted (%s); removing it and specializing again",
-                        key[:12], self.directory, problem)
-            self._remove(key)
-            return None
         try:
             fd = os.open(path / _MODULE, os.O_RDONLY)
-        except FileNotFoundError:  # evicted between the check and the open
+        except FileNotFoundError:  # evicted, or never whole
+            fd = None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from here on no process evicts it under us
+        result = self._open_checked(key)
+        if isinstance(result, str):
+            if fd is not None:
+                os.close(fd)
+            log.warning("cache entry %s in %s is corrupted (%s); removing it and specializing again",
+                        key[:12], self.directory, result)
+            self._remove(key)
             return None
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            if os.fstat(fd).st_ino != os.stat(path / _MODULE).st_ino:
-                raise FileNotFoundError  # replaced between the check and the lock
-        except FileNotFoundError:
-            os.close(fd)
-            return None
+        maps, meta = result
         self._touch(key)
-        return CacheEntry(key, path / _MODULE, fd)
+        return CacheEntry(key, path / _MODULE, fd, maps, meta.get("encoded", []))  # type: ignore[arg-type]
 
-    def _publish(self, key: str, code: bytes, **info: str) -> None:
+    def _publish(self, key: str, result: "Specialization", **info: str) -> None:
         staging = Path(tempfile.mkdtemp(prefix=f"{key[:16]}.", dir=self.tmp))
         try:
-            meta = {"key": key, "size": len(code), "sha256": hashlib.sha256(code).hexdigest(),
-                    "created": time.time(), "format": CACHE_FORMAT_VERSION, **info}
-            for name, data in ((_MODULE, code), (_META, json.dumps(meta, indent=1).encode())):
-                with open(staging / name, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+            encoded, offset = [], 0
+            with open(staging / _ENCODED, "wb") as f:
+                for name, array in result.encoded.items():
+                    offset = (offset + _PAGE - 1) // _PAGE * _PAGE  # each parameter page-aligned for mapping
+                    f.seek(offset)
+                    f.write(memoryview(array).cast("B"))
+                    encoded.append({"name": name, "offset": offset, "size": array.nbytes})
+                    offset += array.nbytes
+                f.truncate(offset)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(staging / _MODULE, "wb") as f:
+                f.write(result.module)
+                f.flush()
+                os.fsync(f.fileno())
+            files = {}
+            for name in (_MODULE, _ENCODED):
+                mapped = _map(staging / name)
+                files[name] = {"size": (staging / name).stat().st_size,
+                               "checksum": _checksum(mapped if mapped is not None else b"")}
+                if mapped is not None:
+                    mapped.close()
+            meta = {"key": key, "files": files, "encoded": encoded, "created": time.time(),
+                    "format": CACHE_FORMAT_VERSION, **info}
+            with open(staging / _META, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
             _fsync_dir(staging)
             os.rename(staging, self.entries / key)
             _fsync_dir(self.entries)
@@ -342,11 +397,12 @@ class SpecializationCache:
             if e.errno == errno.ENOSPC:
                 raise DelegateError(f"The cache directory '{self.directory}' is full; run `onecopy cache clear`.") from e
             raise
+        size = sum(f["size"] for f in files.values())
         now = time.time()
         with self._index() as db:
             db.execute(
                 "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                (key, info["program"], info["packaging"], info["compute_units"], info["target"], len(code), now, now),
+                (key, info["program"], info["packaging"], info["compute_units"], info["target"], size, now, now),
             )
 
     def _remove(self, key: str, *, only_if_unused: bool = False) -> bool:

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.manifest import PARAMETER_SCOPE
+
+ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
 from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError, ExecutionError
 
@@ -46,11 +48,15 @@ def compiler_version() -> str:
     return found.group(1) if found else hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def compile_bundle(source: bytes | memoryview, target: Target, *, for_host: bool) -> bytes:
-    """Compile MLIR bytecode into a `.vmfb` for `target`. Raises `DelegateError` with the compiler's diagnostics."""
+def compile_bundle(
+    source: bytes | memoryview, target: Target, *, for_host: bool, data_tiling: bool = True,
+    extra_flags: Sequence[str] = (),
+) -> bytes:
+    """Compile MLIR (bytecode or text) into a `.vmfb` for `target`. Raises `DelegateError` with the compiler's
+    diagnostics."""
     from iree.compiler import CompilerToolError, compile_str
 
-    flags = compiler_flags(target, for_host=for_host)
+    flags = compiler_flags(target, for_host=for_host, data_tiling=data_tiling) + list(extra_flags)
     try:
         return compile_str(bytes(source), input_type="auto", extra_args=flags)
     except CompilerToolError as e:
@@ -97,6 +103,7 @@ class LoadedModel:
         target: Target,
         where: str,
         *,
+        encoded: Mapping[str, memoryview] | None = None,
         keepalive: Any = None,
     ):
         import iree.runtime as ireert
@@ -109,7 +116,14 @@ class LoadedModel:
         for name, view in parameters.items():
             # The index keeps a reference to the buffer and reads the program's mapping in place: no copy.
             index.add_buffer(name, view)
-        provider = index.create_provider(scope=PARAMETER_SCOPE)
+        providers = [index.create_provider(scope=PARAMETER_SCOPE)]
+        if encoded:
+            # Weights packed once at specialization (scope `encoded`): every context reads this one mapped copy
+            # instead of packing its own at initialization.
+            encoded_index = ireert.ParameterIndex()
+            for name, view in encoded.items():
+                encoded_index.add_buffer(name, view)
+            providers.append(encoded_index.create_provider(scope=ENCODED_SCOPE))
         try:
             module = ireert.VmModule.wrap_buffer(self._instance, vmfb)
         except ValueError:  # not aligned for in-place use (e.g. fresh compiler output): take a copy
@@ -120,7 +134,7 @@ class LoadedModel:
         self.module = module
         self._modules = [
             ireert.create_hal_module(self._instance, self.device),
-            ireert.create_io_parameters_module(self._instance, provider),
+            ireert.create_io_parameters_module(self._instance, *providers),
             module,
         ]
         self._pool: list[Any] = []

@@ -142,15 +142,16 @@ def check_target_runs_here(target: Target, where: str) -> None:
         )
 
 
-def compiler_flags(target: Target, *, for_host: bool) -> list[str]:
+def compiler_flags(target: Target, *, for_host: bool, data_tiling: bool = True) -> list[str]:
     """iree-compile flags for `target`. `for_host`: specialize for this very machine's CPU features."""
     flags = [f"--iree-hal-target-backends={target.backend}"]
     if target.backend == "llvm-cpu":
         flags.append(f"--iree-llvmcpu-target-triple={target.triple}")
         cpu = "host" if for_host else (target.aot_cpu or "generic")
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
-        # Measured faster on the host CPU (AVX2): packed layouts and microkernels for matmuls.
-        flags += ["--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]
+        if data_tiling:
+            # Measured faster on the host CPU (AVX2): packed layouts and microkernels for matmuls.
+            flags += ["--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]
     return flags
 
 

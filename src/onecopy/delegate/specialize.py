@@ -1,0 +1,138 @@
+"""Specialization: a portable bundle becomes code for this machine, and its weights are packed once, here.
+
+Data tiling (measured here ~1.45x faster for prefill) makes the compiled module repack ("encode") its weights
+into tiled layouts. Left to the module, every VM context does that at initialization and keeps its own copy:
+8 contexts of the built-in model cost +291 MiB. Instead, specialization asks iree-compile for the parameter
+encoder (`--iree-parameter-encoder-output-file`, overlay mode): the module then reads encoded weights from the
+parameter scope `encoded`, and a separate encoder module computes them. We run the encoder once, store its
+output in the cache entry beside the module, and every context and process memory-maps that one copy.
+
+The encoder module follows IREE's `iree-encode-parameters` protocol (reflection `iree.encode.function`):
+`indices` lists the parameters to produce (scope, name, size), `encode` reads the original weights through the
+`model` scope and scatters the encoded ones into writable `encoded` parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from onecopy.delegate.engine import ENCODED_SCOPE, compile_bundle, hal_device, vm_instance
+from onecopy.delegate.manifest import PARAMETER_SCOPE
+from onecopy.delegate.targets import Target
+from onecopy.errors import DelegateError
+
+__all__ = ["ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "Specialization", "specialize"]
+
+log = logging.getLogger("onecopy")
+
+ENV_FORBID_SPECIALIZE = "ONECOPY_FORBID_SPECIALIZE"
+
+
+@dataclass
+class Specialization:
+    """What specialization produces: the module, and the encoded parameters it reads (maybe none)."""
+
+    module: bytes
+    encoded: dict[str, np.ndarray] = field(default_factory=dict)  # name in scope `encoded` -> bytes (uint8)
+
+
+def _encoder_flags(path: Path) -> list[str]:
+    return [
+        f"--iree-parameter-encoder-output-file={path}",
+        f"--iree-parameter-encoder-output-scope={ENCODED_SCOPE}",
+        "--iree-parameter-encoder-mode=overlay",
+    ]
+
+
+def _reflection(function) -> dict[str, str]:
+    return dict(function.reflection)
+
+
+def _run_encoder(encoder_vmfb: bytes, parameters: Mapping[str, memoryview], target: Target) -> dict[str, np.ndarray]:
+    import iree.runtime as ireert
+
+    instance = vm_instance()
+    device = hal_device(target.driver)
+    module = ireert.VmModule.copy_buffer(instance, encoder_vmfb)
+    functions = {}
+    for name in module.function_names:
+        function = module.lookup_function(name)
+        role = _reflection(function).get("iree.encode.function")
+        if role:
+            functions[role] = function
+    if "indices" not in functions or "encode" not in functions:
+        raise DelegateError(f"The parameter encoder has no indices/encode functions (it has {module.function_names}).")
+
+    source = ireert.ParameterIndex()
+    for name, view in parameters.items():
+        source.add_buffer(name, view)
+    # `indices` only describes the outputs; its context still needs the modules the encoder imports.
+    probe_parameters = ireert.create_io_parameters_module(instance, source.create_provider(scope=PARAMETER_SCOPE))
+    probe = ireert.VmContext(instance, modules=[ireert.create_hal_module(instance, device), probe_parameters, module])
+    results = ireert.VmVariantList(1)
+    probe.invoke(functions["indices"], ireert.VmVariantList(0), results)
+    outputs: dict[str, np.ndarray] = {}
+    target_index = ireert.ParameterIndex()
+    scopes = results.get_as_list(0)
+    for s in range(scopes.size):
+        scope = scopes.get_as_list(s)
+        scope_name = bytes(scope.get_as_object(0, ireert.VmBuffer)).decode()
+        if scope_name != ENCODED_SCOPE:
+            raise DelegateError(f"The parameter encoder writes scope '{scope_name}', expected '{ENCODED_SCOPE}'.")
+        entries = scope.get_as_list(1)
+        for e in range(entries.size):
+            entry = entries.get_as_list(e)
+            name = bytes(entry.get_as_object(1, ireert.VmBuffer)).decode()
+            size = int(entry.get_variant(3))
+            outputs[name] = np.zeros(size, np.uint8)
+            target_index.add_buffer(name, outputs[name], writable=True)
+    io_parameters = ireert.create_io_parameters_module(
+        instance,
+        source.create_provider(scope=PARAMETER_SCOPE),
+        target_index.create_provider(scope=ENCODED_SCOPE),
+    )
+    context = ireert.VmContext(instance, modules=[ireert.create_hal_module(instance, device), io_parameters, module])
+    ready = ireert.HalFence.create_at(device.create_semaphore(0), 0)
+    done = ireert.HalFence.create_at(device.create_semaphore(0), 1)
+    args = ireert.VmVariantList(3)
+    args.push_list(ireert.VmVariantList(0))
+    args.push_ref(ready)
+    args.push_ref(done)
+    context.invoke(functions["encode"], args, ireert.VmVariantList(0))
+    done.wait()
+    return outputs
+
+
+def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:
+    """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
+    bundle becomes code.
+
+    `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
+    use it to prove a load was restored.
+    """
+    if os.environ.get(ENV_FORBID_SPECIALIZE, "") not in ("", "0"):
+        raise DelegateError(f"{where}: specialization is forbidden ({ENV_FORBID_SPECIALIZE} is set) but the cache has no entry.")
+    with tempfile.TemporaryDirectory(prefix="onecopy-specialize-") as tmp:
+        encoder_path = Path(tmp) / "encoder.mlir"
+        extra = _encoder_flags(encoder_path) if parameters and target.compute_unit == "cpu" else []
+        try:
+            module = compile_bundle(source, target, for_host=True, extra_flags=extra)
+            if not encoder_path.exists() or encoder_path.stat().st_size == 0:
+                return Specialization(module)
+            encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=True, data_tiling=False)
+        except DelegateError as e:
+            raise DelegateError(f"{where}: {e}") from e
+    try:
+        encoded = _run_encoder(encoder, parameters, target)
+    except (RuntimeError, ValueError) as e:
+        raise DelegateError(f"{where}: encoding the parameters for this machine failed: {e}") from e
+    log.debug("%s: encoded %d parameters (%d bytes) at specialization", where, len(encoded),
+              sum(a.nbytes for a in encoded.values()))
+    return Specialization(module, encoded)
