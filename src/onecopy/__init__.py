@@ -17,6 +17,7 @@ from onecopy.errors import (
     UnsupportedOperator,
 )
 from onecopy.runtime import Method, MethodMeta, Program, Runtime
+from onecopy.surface import Surface
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "Program",
     "Method",
     "MethodMeta",
+    "Surface",
     "OnecopyError",
     "InvalidArgument",
     "ProgramFormatError",

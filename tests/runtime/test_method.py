@@ -134,7 +134,7 @@ class Recording(Backend):
         class Handle(DelegateHandle):
             function = manifest["function"]
 
-            def execute(self, inputs, outputs):
+            def execute(self, inputs, outputs, stats):
                 return [inputs[0] * factor]
 
             def destroy(self):

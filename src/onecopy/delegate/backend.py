@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabled, cache_key, open_cache
+from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version
 from onecopy.delegate.specialize import specialize
 from onecopy.delegate.manifest import Manifest, parse_manifest
@@ -19,6 +20,7 @@ from onecopy.delegate.shared_models import shared_models
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.program import NamedData
 from onecopy.runtime.backend import Backend, DelegateHandle
+from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext
 
 __all__ = ["IreeBackend", "IreeDelegate", "specialize"]
@@ -37,19 +39,29 @@ class IreeDelegate(DelegateHandle):
     """Runs one function of a loaded model. Thread-safe: each call runs in a VM context of its own."""
 
     def __init__(self, model: LoadedModel, function: EngineFunction, manifest: Manifest,
-                 release: Callable[[], None], shared: bool):
+                 release: Callable[[], None], shared: bool, where: str):
+        self.where = where
         self.model: LoadedModel | None = model
         self._function: EngineFunction | None = function
         self._release: Callable[[], None] | None = release
         self.function = manifest.function
         self.manifest = manifest
         self.shared = shared
+        self.owned_surfaces: list[Any] = []
 
-    def execute(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
+    def execute(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
+    ) -> list[np.ndarray]:
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
-        return function(inputs, outputs)
+        return function(inputs, outputs, stats)
+
+    def bind_surface(self, surface: Any) -> None:
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        function.bind(SurfaceBinding(surface, f"{self.where}"))
 
     def destroy(self) -> None:
         release, self._release = self._release, None
@@ -57,6 +69,14 @@ class IreeDelegate(DelegateHandle):
         self.model = None
         if release is not None:
             release()
+        surfaces, self.owned_surfaces = self.owned_surfaces, []
+        for surface in surfaces:
+            surface.close()
+
+    @property
+    def bound_surfaces(self) -> dict[str, Any]:
+        function = self._function
+        return {b.surface.name: b.surface for b in function.bindings.values()} if function is not None else {}
 
 
 @dataclass(frozen=True)
@@ -88,7 +108,32 @@ class IreeBackend(Backend):
         "cache_dir": str,
         "max_cache_bytes": int,
         "share_multifunction_model": bool,
+        "bound_surfaces": str,
     }
+
+    @staticmethod
+    def _bound_surfaces(context: InitContext) -> list[Any]:
+        """Open the surfaces named by option `bound_surfaces` (comma-separated), for callers that only have a
+        program file and options. Only a method that is this delegate's call alone, on caller-provided outputs,
+        can take them: anything else would put host work or planned memory between the surface and the engine."""
+        names = [n.strip() for n in str(context.backend_options.get("bound_surfaces", "")).split(",") if n.strip()]
+        if not names:
+            return []
+        meta = context.method_meta()
+        reasons = []
+        if len(meta.instructions) != 1:
+            reasons.append(f"it runs {len(meta.instructions)} instructions ({', '.join(meta.instructions)}), not "
+                           "this delegate's call alone")
+        if any(o.memory_planned for o in meta.outputs):
+            reasons.append("its outputs are memory planned; export with memory_planned_outputs=False")
+        if reasons:
+            raise InvalidArgument(
+                f"{context.where}: backend 'IreeBackend' option bound_surfaces cannot apply to method "
+                f"'{meta.name}': {'; '.join(reasons)}."
+            )
+        from onecopy.surface import Surface
+
+        return [Surface.open(name) for name in names]
 
     def init(self, context: InitContext, manifest: Mapping[str, Any]) -> IreeDelegate:
         where = context.where
@@ -113,7 +158,7 @@ class IreeBackend(Backend):
             state = model.load_state
             release = model.close
         try:
-            function = model.function(parsed.function)
+            function = model.function(parsed.function, parsed.dps_function or None)
         except BaseException:
             release()
             raise
@@ -122,7 +167,15 @@ class IreeBackend(Backend):
             parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
             parsed.function, resolved.target.name, " shared" if share else "",
         )
-        return IreeDelegate(model, function, parsed, release, share)
+        delegate = IreeDelegate(model, function, parsed, release, share, where)
+        try:
+            for surface in self._bound_surfaces(context):
+                delegate.owned_surfaces.append(surface)  # opened here, so closed with the delegate
+                delegate.bind_surface(surface)
+        except BaseException:
+            delegate.destroy()
+            raise
+        return delegate
 
     @staticmethod
     def _resolve(context: InitContext, manifest: Manifest) -> _Resolved:

@@ -17,11 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 
 ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
 from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError, ExecutionError
+from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = ["compile_bundle", "compiler_version", "vm_instance", "hal_device", "LoadedModel", "EngineFunction"]
 
@@ -167,14 +169,17 @@ class LoadedModel:
             with self._pool_lock:
                 self._pool.append(context)
 
-    def function(self, name: str) -> "EngineFunction":
+    def function(self, name: str, dps_name: str | None = None) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
         if vm_function is None:
             raise DelegateError(
                 f"{self.where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
                 "Re-export the program."
             )
-        return EngineFunction(self, vm_function, name)
+        dps = self.module.lookup_function(dps_name) if dps_name else None
+        if dps_name and dps is None:
+            raise DelegateError(f"{self.where}: the bundle has no function '{dps_name}'. Re-export the program.")
+        return EngineFunction(self, vm_function, name, dps)
 
     def close(self) -> None:
         """Drop the contexts and modules; the cache entry (if any) is released after them."""
@@ -187,50 +192,118 @@ class LoadedModel:
             keepalive.close()
 
 
-class EngineFunction:
-    """Calls one function of a loaded model on numpy arrays."""
+def _data_pointer(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
 
-    def __init__(self, model: LoadedModel, vm_function: Any, name: str):
+
+class EngineFunction:
+    """Calls one function of a loaded model on numpy arrays, in place where a bound surface allows it.
+
+    `dps_function` is the destination-passing twin of the function (outputs as trailing arguments, written in
+    place): used when the caller's output storage is a bound surface, so the engine writes the surface itself.
+    """
+
+    def __init__(self, model: LoadedModel, vm_function: Any, name: str, dps_function: Any = None):
         import iree.runtime as ireert
 
         self._rt = ireert
         self.model = model
         self.name = name
         self._vm_function = vm_function
+        self._dps_function = dps_function
         self._memory_type = ireert.MemoryType.DEVICE_LOCAL
         self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
+        # base address -> binding; replaced (never mutated) so concurrent calls read a consistent table.
+        self.bindings: dict[int, SurfaceBinding] = {}
 
-    def __call__(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        rt = self._rt
+    def bind(self, binding: SurfaceBinding) -> None:
+        self.bindings = {**self.bindings, binding.base_address: binding}
+
+    def _copy_in(self, array: np.ndarray) -> Any:
+        element_type = self._rt.array_interop.map_dtype_to_element_type(array.dtype)
+        if element_type is None:
+            raise ExecutionError(f"{self.model.where}: dtype {array.dtype} cannot be passed to the engine.")
         device = self.model.device
-        allocator = device.allocator
-        args = rt.VmVariantList(len(inputs))
-        for array in inputs:
-            element_type = rt.array_interop.map_dtype_to_element_type(array.dtype)
-            if element_type is None:
-                raise ExecutionError(f"{self.model.where}: dtype {array.dtype} cannot be passed to the engine.")
-            view = allocator.allocate_buffer_copy(
-                memory_type=self._memory_type, allowed_usage=self._usage, device=device,
-                buffer=np.ascontiguousarray(array), element_type=element_type,
-            )
-            args.push_ref(view)
-        results = rt.VmVariantList(len(outputs))
-        with self.model.context() as context:
-            try:
-                context.invoke(self._vm_function, args, results)
-            except RuntimeError as e:
-                raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
+        # Strided (e.g. padded surface rows) arrays are gathered densely here: the engine only takes dense views.
+        return device.allocator.allocate_buffer_copy(
+            memory_type=self._memory_type, allowed_usage=self._usage, device=device,
+            buffer=np.ascontiguousarray(array), element_type=element_type,
+        )
+
+    def __call__(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
+    ) -> list[np.ndarray]:
+        rt = self._rt
+        stats = stats if stats is not None else CopyStats()
+        bindings = self.bindings
+        device = self.model.device
+        locked: dict[str, tuple[Any, bool]] = {}  # surface name -> (surface, readonly)
+
+        def bound(array: np.ndarray | None) -> SurfaceBinding | None:
+            return bindings.get(_data_pointer(array)) if bindings and array is not None else None
+
+        args = rt.VmVariantList(len(inputs) + len(outputs))
+        for i, array in enumerate(inputs):
+            binding = bound(array)
+            if binding is not None and binding.dense:
+                args.push_ref(binding.buffer_view(device, array.shape, array.dtype, f"input {i}"))
+                stats.in_place_in += array.nbytes
+                locked.setdefault(binding.surface.name, (binding.surface, True))
+            else:
+                if binding is not None:
+                    binding.check_open(f"input {i}")
+                args.push_ref(self._copy_in(array))
+                stats.copied_in += array.nbytes
+
+        out_bindings = [bound(out) for out in outputs]
+        in_place = (
+            self._dps_function is not None
+            and all(out is not None for out in outputs)
+            and any(b is not None and b.dense for b in out_bindings)
+        )
+        staged: list[tuple[int, Any]] = []  # outputs of a destination-passing call that still need a copy out
+        if in_place:
+            for i, (out, binding) in enumerate(zip(outputs, out_bindings)):
+                if binding is not None and binding.dense:
+                    args.push_ref(binding.buffer_view(device, out.shape, out.dtype, f"output {i}"))  # type: ignore[union-attr]
+                    stats.in_place_out += out.nbytes  # type: ignore[union-attr]
+                    locked[binding.surface.name] = (binding.surface, False)
+                else:
+                    view = self._copy_in(np.empty(out.shape, out.dtype))  # type: ignore[union-attr]
+                    args.push_ref(view)
+                    staged.append((i, view))
+
+        results = rt.VmVariantList(max(len(outputs), 1))
+        with contextlib.ExitStack() as stack:
+            # Hold the bound surfaces for the call: readers share, the surface written in place is exclusive
+            # (its generation moves on). Taken in name order so two processes never wait on each other in a cycle.
+            for name in sorted(locked):
+                surface, readonly = locked[name]
+                stack.enter_context(surface.lock(readonly=readonly))
+            with self.model.context() as context:
+                try:
+                    context.invoke(self._dps_function if in_place else self._vm_function, args, results)
+                except RuntimeError as e:
+                    raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
+
+        if in_place:
+            for i, view in staged:
+                self._copy_out(view, outputs[i], stats)
+            return list(outputs)  # type: ignore[arg-type]
         produced = []
         for i, out in enumerate(outputs):
-            view = results.get_as_object(i, rt.HalBufferView)
-            dtype = rt.HalElementType.map_to_dtype(view.element_type)
-            shape = tuple(view.shape)
-            mapped = view.map()
-            host = mapped.asarray(shape, dtype)
-            if out is not None:
-                np.copyto(out, host)
-                produced.append(out)
-            else:
-                produced.append(np.array(host, copy=True))
-            del host, mapped
+            if out_bindings[i] is not None:
+                out_bindings[i].check_open(f"output {i}")  # type: ignore[union-attr]
+            produced.append(self._copy_out(results.get_as_object(i, rt.HalBufferView), out, stats))
         return produced
+
+    def _copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
+        rt = self._rt
+        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        mapped = view.map()
+        host = mapped.asarray(tuple(view.shape), dtype)
+        stats.copied_out += host.nbytes
+        if out is not None:
+            np.copyto(out, host)  # through `out`'s strides: padded surface rows stay padded
+            return out
+        return np.array(host, copy=True)

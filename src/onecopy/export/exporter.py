@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
@@ -66,12 +67,13 @@ class _DelegatePartition:
     graph_module: fx.GraphModule
     parameters: list[str]
     example_args: tuple[torch.Tensor, ...]
+    example_results: tuple[torch.Tensor, ...]
     input_names: list[str]
     output_names: list[str]
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
-                              f"method '{self.method}', partition {self.index}")
+                              self.example_results, f"method '{self.method}', partition {self.index}")
 
 
 @dataclass
@@ -132,7 +134,8 @@ def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
 
 
 def _plan_method(
-    name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition]
+    name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition],
+    memory_planned_outputs: bool,
 ) -> MethodDef:
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
     ep = ep.run_decompositions()
@@ -178,7 +181,8 @@ def _plan_method(
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
             raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
         outputs.append(plan.value(value))
-        output_specs.append(_tensor_spec(value, f"Method '{name}', output '{value.name}'"))
+        spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'")
+        output_specs.append(msgspec.structs.replace(spec_, memory_planned=memory_planned_outputs))
     return MethodDef(
         name=name,
         num_values=plan.num_values,
@@ -248,6 +252,7 @@ def _plan_delegate_partition(
         graph_module=graph_module,
         parameters=[plan.weights[w] for w in weights],
         example_args=tuple(_example(a) for a in activations),
+        example_results=tuple(_example(r) for r in results),
         input_names=[a.name for a in activations],
         output_names=[r.name for r in results],
     )
@@ -280,6 +285,7 @@ def export_program(
     *,
     partitioner: Partitioner | None = None,
     compile_spec: CompileSpec | None = None,
+    memory_planned_outputs: bool = True,
 ) -> ProgramFile:
     """Export the methods of a model into one program.
 
@@ -287,6 +293,8 @@ def export_program(
         methods: method name -> `torch.export.export(...)` program, e.g. {"forward": ep1, "prefill": ep16}.
         partitioner: which ops the engine takes, and whether all methods share one module (multifunction).
         compile_spec: packaging (mlir | vmfb), compute units and targets.
+        memory_planned_outputs: False makes every method's outputs caller-provided (`execute(..., outputs=...)`),
+            as for writing them into bound surfaces; True (default): the runtime allocates them.
 
     Returns:
         A `ProgramFile`: `.save(path)` writes it atomically, `.to_bytes()` returns it.
@@ -306,7 +314,11 @@ def export_program(
 
     table = ParameterTable()
     partitions: list[_DelegatePartition] = []
-    method_defs = [_plan_method(name, ep, partitioner, table, partitions) for name, ep in methods.items()]
+    if type(memory_planned_outputs) is not bool:
+        raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
+    method_defs = [
+        _plan_method(name, ep, partitioner, table, partitions, memory_planned_outputs) for name, ep in methods.items()
+    ]
 
     store = NamedDataStore()
     for constant in (c for m in method_defs for c in m.constants):
@@ -329,6 +341,7 @@ def export_program(
                 "export_hash": export_hash,
                 "bundle": keys,
                 "function": function,
+                "dps_function": f"{function}_dps",
                 "input_names": p.input_names,
                 "output_names": p.output_names,
                 "compute_units": compile_spec.compute_units,

@@ -31,7 +31,12 @@ class StagedFunction:
     graph_module: fx.GraphModule
     parameters: list[str]  # names in the shared parameter table, in placeholder order
     example_args: tuple[torch.Tensor, ...]
+    example_results: tuple[torch.Tensor, ...]
     where: str  # "method 'forward', partition 0", for errors
+
+    @property
+    def dps_name(self) -> str:
+        return f"{self.name}_dps"
 
 
 @dataclass
@@ -42,14 +47,24 @@ class LoweredBundle:
 
 
 def _stage(fxb, function: StagedFunction) -> None:
-    from iree.turbine import aot  # noqa: F401  (the builder comes from it)
-
+    """Stage the function, and its destination-passing twin: the same computation writing its results into
+    trailing output arguments (`out.copy_(y)` compiles to a tied alias, so a caller's imported buffer is filled
+    in place). The twin returns a 0-d tensor because an engine function cannot return nothing."""
     graph_module, names = function.graph_module, function.parameters
+    n_inputs = len(function.example_args)
 
     def call(module, *args):
         return graph_module(*(getattr(module, name) for name in names), *args)
 
+    def call_dps(module, *args):
+        results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
+        for out, result in zip(args[n_inputs:], results):
+            out.copy_(result)
+        return args[n_inputs].new_zeros(())
+
     fxb.export_program(name=function.name, args=function.example_args, strict=False)(call)
+    dps_args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
+    fxb.export_program(name=function.dps_name, args=dps_args, strict=False)(call_dps)
 
 
 def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:

@@ -2,6 +2,7 @@
 
 from onecopy.runtime.backend import Backend, DelegateHandle, get_backend, register_backend
 from onecopy.runtime.backend_options import parse_backend_options
+from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel, has_host_kernel, register_host_kernel
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
@@ -12,6 +13,7 @@ __all__ = [
     "Runtime",
     "Program",
     "Method",
+    "CopyStats",
     "MethodMeta",
     "TensorMeta",
     "DelegateMeta",

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from onecopy.errors import DelegateError
+from onecopy.errors import DelegateError, InvalidArgument
+from onecopy.runtime.copy_stats import CopyStats
 
 if TYPE_CHECKING:
     from onecopy.runtime.init_context import InitContext
@@ -38,8 +39,20 @@ class DelegateHandle(abc.ABC):
     function: str = ""
 
     @abc.abstractmethod
-    def execute(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> list[np.ndarray]:
-        """Run on `inputs`; write into `outputs[i]` where given, else return new arrays."""
+    def execute(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
+    ) -> list[np.ndarray]:
+        """Run on `inputs`; write into `outputs[i]` where given, else return new arrays. Add the bytes copied
+        in and out (and used in place) to `stats`."""
+
+    def bind_surface(self, surface: Any) -> None:
+        """Read and write `surface` in place when an argument's data pointer is its base address."""
+        raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) cannot bind surfaces.")
+
+    @property
+    def bound_surfaces(self) -> dict[str, Any]:
+        """Surfaces bound to this delegate, by name."""
+        return {}
 
     @abc.abstractmethod
     def destroy(self) -> None:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from onecopy.errors import ExecutionError
+from onecopy.errors import ExecutionError, InvalidArgument
 from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData, ValueArg
 from onecopy.runtime.backend import DelegateHandle
+from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
 
 __all__ = ["Method", "as_array"]
+
+log = logging.getLogger("onecopy")
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -63,6 +67,8 @@ class Method:
             c.id: np.frombuffer(named_data[c.key], dtype=c.spec.dtype).reshape([int(d) for d in c.spec.shape])
             for c in definition.constants
         }
+        self._local = threading.local()  # last_copy_stats, per calling thread
+        self._all_planned = all(o.memory_planned for o in meta.outputs)
         self._kernels = {}
         for ins in definition.instructions:
             if isinstance(ins, HostOp):
@@ -81,6 +87,30 @@ class Method:
     @property
     def method_meta(self) -> MethodMeta:
         return self._meta
+
+    @property
+    def last_copy_stats(self) -> CopyStats:
+        """Bytes the last `execute` in this thread copied in/out, and used in place through bound surfaces."""
+        return getattr(self._local, "stats", CopyStats())
+
+    def bind_surface(self, surface: Any) -> None:
+        """Bind a `Surface` to this method's model instance: when an input's or output's data pointer is the
+        surface's base address, the engine reads or writes it in place. Several methods (and programs) may bind
+        the same surface, e.g. to chain one model's output into another's input."""
+        if self._closed.is_set():
+            raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
+        if not self._delegates:
+            raise InvalidArgument(f"Method '{self.name}' runs no delegate; there is no engine to bind a surface to.")
+        for handle in self._delegates.values():
+            handle.bind_surface(surface)
+
+    @property
+    def bound_surfaces(self) -> dict[str, Any]:
+        """Surfaces bound to this method's delegates (including those opened by backend option bound_surfaces)."""
+        found: dict[str, Any] = {}
+        for handle in self._delegates.values():
+            found.update(handle.bound_surfaces)
+        return found
 
     def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Run the method. `outputs`: caller-provided storage per output (None entries are allocated)."""
@@ -101,10 +131,11 @@ class Method:
             values_set(vid, constant)
 
         storage = self._output_storage(outputs)
+        stats = CopyStats()
         for ins in definition.instructions:
             if isinstance(ins, DelegateCall):
                 args = [values[v] for v in ins.inputs]
-                produced = self._delegates[ins.delegate].execute(args, [storage.get(v) for v in ins.outputs])
+                produced = self._delegates[ins.delegate].execute(args, [storage.get(v) for v in ins.outputs], stats)
                 for vid, array in zip(ins.outputs, produced):
                     values_set(vid, array)
             else:
@@ -115,12 +146,23 @@ class Method:
             result = values[vid]
             if out is not None and result is not storage.get(vid):
                 np.copyto(storage[vid], result)
+                stats.copied_out += result.nbytes
                 result = storage[vid]
             results.append(result)
+        self._local.stats = stats
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
+                      stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
         return results
+
+    def _unplanned(self, index: int) -> str:
+        return (f"Output {index} of method '{self.name}' is not memory planned (exported with "
+                "memory_planned_outputs=False); pass its storage with outputs=[...].")
 
     def _output_storage(self, outputs: Sequence[Any] | None) -> dict[int, np.ndarray]:
         if outputs is None:
+            if not self._all_planned:
+                raise ExecutionError(self._unplanned(next(i for i, o in enumerate(self._meta.outputs) if not o.memory_planned)))
             return {}
         meta = self._meta
         if len(outputs) != len(meta.outputs):
@@ -131,6 +173,8 @@ class Method:
         storage: dict[int, np.ndarray] = {}
         for i, (out, vid, tmeta) in enumerate(zip(outputs, self._definition.outputs, meta.outputs)):
             if out is None:
+                if not tmeta.memory_planned:
+                    raise ExecutionError(self._unplanned(i))
                 continue
             what = f"Output {i} of method '{self.name}'"
             array = as_array(out, what)

@@ -1,0 +1,89 @@
+"""Surfaces bound to a delegate: the engine reads and writes them in place, and every copy is counted.
+
+A binding matches by address: when an input's or output's data pointer equals a bound surface's base address,
+the engine gets a buffer imported from the surface's memory (`import_host_allocation`), so no byte is copied
+in or out. A surface whose rows are padded cannot be handed over as is (IREE buffer views are dense): it is
+copied through its row stride, and the copy is counted like any other.
+
+Thread-safety: a `SurfaceBinding` may be used by concurrent calls; its one cached buffer view is replaced under
+a lock when the argument's shape changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import ExecutionError, InvalidArgument
+
+__all__ = ["SurfaceBinding"]
+
+
+class SurfaceBinding:
+    """One surface bound to one delegate: its base address and a buffer view imported from its memory."""
+
+    def __init__(self, surface: Any, where: str):
+        from onecopy.surface import Surface
+
+        if not isinstance(surface, Surface):
+            raise InvalidArgument(f"{where}: bind_surface takes an onecopy.Surface, got {type(surface).__name__}.")
+        if surface.is_closed:
+            raise InvalidArgument(f"{where}: surface '{surface.name}' is closed; open it again before binding it.")
+        try:
+            self.base_address = surface.base_address
+            # A reader's lock proves the surface can be locked now (no writer holds it for good); a bound surface
+            # is locked around every call that uses it.
+            with surface.lock(readonly=True, blocking=False):
+                pass
+        except Exception as e:
+            raise InvalidArgument(f"{where}: surface '{surface.name}' cannot be bound: {e}") from e
+        self.surface = surface
+        self.where = where
+        self.dense = surface.dense
+        # Hold a view: it keeps the mapping alive for the engine even if the surface is closed meanwhile.
+        self._array = surface.array(include_padding=True) if self.dense else surface.array()
+        self._lock = threading.Lock()
+        self._view: Any = None
+        self._view_key: tuple | None = None
+        self.views_made = 0
+
+    def check_open(self, what: str) -> None:
+        if self.surface.is_closed:
+            raise ExecutionError(
+                f"{self.where}: {what} is bound surface '{self.surface.name}', which was closed; unbind it or "
+                "open and bind it again."
+            )
+
+    def buffer_view(self, device: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> Any:
+        """The engine's view of this surface as an argument of `shape`/`dtype`, made once per shape."""
+        import iree.runtime as ireert
+
+        self.check_open(what)
+        surface = self.surface
+        if dtype != surface.dtype:
+            raise ExecutionError(
+                f"{self.where}: {what} is bound surface '{surface.name}' of dtype {surface.dtype}, but the function "
+                f"takes {dtype}; export the method with {surface.dtype} for this argument."
+            )
+        elements = int(np.prod(shape, dtype=np.int64))
+        if elements != surface.height * surface.width:
+            raise ExecutionError(
+                f"{self.where}: {what} has shape {list(shape)} ({elements} elements) but bound surface "
+                f"'{surface.name}' holds {surface.height} x {surface.width}; give the function a compatible shape."
+            )
+        key = (tuple(shape), dtype)
+        with self._lock:
+            if self._view_key != key:
+                element_type = ireert.array_interop.map_dtype_to_element_type(dtype)
+                buffer = device.allocator.import_host_allocation(
+                    self._array,
+                    memory_type=ireert.MemoryType.HOST_LOCAL | ireert.MemoryType.DEVICE_VISIBLE,
+                    allowed_usage=ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING,
+                )
+                # The constructor, not HalBuffer.create_view: the latter computes a wrong size for fp16.
+                self._view = ireert.HalBufferView(buffer, list(shape), element_type)
+                self._view_key = key
+                self.views_made += 1
+            return self._view
