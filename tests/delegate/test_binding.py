@@ -1,0 +1,247 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from onecopy import Runtime, Surface
+from onecopy.delegate.binding import SurfaceBinding
+from onecopy.delegate.engine import hal_device
+from onecopy.errors import ExecutionError, InvalidArgument
+from onecopy.export import Partitioner, export_program
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = (1, 4, 16, 32)  # 64 rows of 32 fp16 values: 64-byte rows, a dense surface
+
+
+class ScaleBias(torch.nn.Module):
+    """A frame model: y = x * 2 + 1 (per element), fp16."""
+
+    def forward(self, x):
+        return x * 2 + 1
+
+
+class AddOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def export_frame(model, shape, **kwargs):
+    ep = torch.export.export(model, (torch.zeros(shape, dtype=torch.float16),))
+    return export_program({"forward": ep}, memory_planned_outputs=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def scale_bias(tmp_path_factory):
+    return export_frame(ScaleBias(), SHAPE).save(tmp_path_factory.mktemp("frames") / "scale_bias.onecopy")
+
+
+@pytest.fixture(scope="module")
+def add_one(tmp_path_factory):
+    return export_frame(AddOne(), SHAPE).save(tmp_path_factory.mktemp("frames") / "add_one.onecopy")
+
+
+@pytest.fixture
+def surfaces():
+    made = []
+
+    def make(height, width, dtype="float16"):
+        surface = Surface.create(height, width, dtype, name=f"test-{os.getpid()}-{len(made)}")
+        made.append(surface)
+        return surface
+
+    yield make
+    for surface in made:
+        surface.close()
+        surface.unlink()
+
+
+def frame(surface, shape=SHAPE):
+    return surface.array().reshape(shape)
+
+
+def pointer(array):
+    return array.__array_interface__["data"][0]
+
+
+def test_in_place_input_and_output_copy_nothing(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    assert src.dense and dst.dense
+    src.array()[:] = np.arange(64 * 32, dtype=np.float16).reshape(64, 32) % 100
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        generation = dst.generation
+        (y,) = forward.execute([frame(src)], outputs=[frame(dst)])
+        stats = forward.last_copy_stats
+        assert pointer(y) == dst.base_address  # the result is the surface itself
+        assert stats.copied == 0
+        assert stats.in_place_in == stats.in_place_out == 64 * 32 * 2
+        np.testing.assert_array_equal(dst.array(), src.array() * 2 + 1)
+        assert dst.generation == generation + 1  # written under the surface's write lock
+
+
+def test_without_binding_the_same_call_copies(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    src.array()[:] = 3
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.execute([frame(src)], outputs=[frame(dst)])
+        assert forward.last_copy_stats.copied_in == forward.last_copy_stats.copied_out == 64 * 32 * 2
+        assert forward.last_copy_stats.in_place_in == 0
+        np.testing.assert_array_equal(dst.array(), np.full((64, 32), 7, np.float16))
+
+
+def test_bound_argument_of_the_wrong_dtype_fails_naming_it(scale_bias, surfaces):
+    wide = surfaces(32, 32, "float32")  # same bytes as 64 x 32 fp16, other dtype
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(wide)
+        as_fp16 = wide.array().view(np.float16).reshape(SHAPE)
+        assert pointer(as_fp16) == wide.base_address
+        with pytest.raises(ExecutionError, match=r"input 0 is bound surface '.*' of dtype float32, but the function takes float16"):
+            forward.execute([as_fp16], outputs=[np.empty(SHAPE, np.float16)])
+
+
+def test_bound_argument_of_an_incompatible_shape_fails_naming_it(scale_bias, surfaces):
+    tall = surfaces(128, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(tall)
+        with pytest.raises(ExecutionError, match=r"input 0 has shape \[1, 4, 16, 32\] \(2048 elements\) but bound surface '.*' holds 128 x 32"):
+            forward.execute([tall.array()[:64].reshape(SHAPE)], outputs=[np.empty(SHAPE, np.float16)])
+
+
+def test_padded_rows_are_copied_through_their_stride(tmp_path, surfaces):
+    shape = (1, 1, 8, 360)
+    program_path = export_frame(ScaleBias(), shape).save(tmp_path / "wide.onecopy")
+    src, dst = surfaces(8, 360), surfaces(8, 360)
+    assert src.bytes_per_row == 768 and not src.dense
+    values = (np.arange(8 * 360) % 50).astype(np.float16).reshape(8, 360)
+    src.array()[:] = values
+    dst.array(include_padding=True)[:] = -1  # padding must stay as it was
+    with Runtime().load_program(program_path) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        forward.execute([src.array().reshape(shape)], outputs=[dst.array().reshape(shape)])
+        stats = forward.last_copy_stats
+    np.testing.assert_array_equal(dst.array(), values * 2 + 1)
+    assert (dst.array(include_padding=True)[:, 360:] == -1).all()
+    assert stats.copied_in == stats.copied_out == 8 * 360 * 2 and stats.in_place_in == 0
+
+
+def test_changing_the_argument_shape_remakes_the_view(surfaces):
+    surface = surfaces(64, 32)
+    binding = SurfaceBinding(surface, "test")
+    device = hal_device("local-task")
+    first = binding.buffer_view(device, (64, 32), np.dtype(np.float16), "input 0")
+    assert binding.buffer_view(device, (64, 32), np.dtype(np.float16), "input 0") is first
+    assert binding.views_made == 1
+    second = binding.buffer_view(device, (1, 4, 16, 32), np.dtype(np.float16), "input 0")
+    assert second is not first and list(second.shape) == [1, 4, 16, 32]
+    assert binding.views_made == 2
+
+
+def test_two_models_chained_through_one_surface_copy_nothing(scale_bias, add_one, surfaces):
+    src, middle, dst = surfaces(64, 32), surfaces(64, 32), surfaces(64, 32)
+    src.array()[:] = 5
+    with Runtime().load_program(scale_bias) as first, Runtime().load_program(add_one) as second:
+        a, b = first.load_method("forward"), second.load_method("forward")
+        for surface in (src, middle):
+            a.bind_surface(surface)
+        for surface in (middle, dst):
+            b.bind_surface(surface)
+        a.execute([frame(src)], outputs=[frame(middle)])
+        b.execute([frame(middle)], outputs=[frame(dst)])
+        assert a.last_copy_stats.copied == 0 and b.last_copy_stats.copied == 0
+    assert (middle.array() == 11).all() and (dst.array() == 12).all()
+
+
+def test_a_frame_written_by_another_process_is_run_in_place(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    result = subprocess.run([sys.executable, "-m", "tests.surface_child", "write", src.name, "4"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        forward.execute([frame(src)], outputs=[frame(dst)])
+        assert forward.last_copy_stats.copied == 0
+    assert (dst.array() == 9).all()
+
+
+def test_bound_surfaces_option_binds_by_name_for_a_single_delegate_method(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    src.array()[:] = 1
+    options = {"IreeBackend": {"bound_surfaces": f"{src.name}, {dst.name}"}}
+    with Runtime().load_program(scale_bias, backend_options=options) as program:
+        forward = program.load_method("forward")
+        bound = forward.bound_surfaces
+        assert set(bound) == {src.name, dst.name}
+        forward.execute([frame(bound[src.name])], outputs=[frame(bound[dst.name])])
+        assert forward.last_copy_stats.copied == 0
+    assert (dst.array() == 3).all()
+
+
+def test_bound_surfaces_option_is_refused_for_planned_outputs_or_several_instructions(small_methods, surfaces, tmp_path):
+    name = surfaces(64, 32).name
+    planned = export_program(small_methods).to_bytes()
+    with Runtime().load_program(planned, backend_options={"IreeBackend": {"bound_surfaces": name}}) as program:
+        with pytest.raises(InvalidArgument, match=r"option bound_surfaces cannot apply to method 'forward': its outputs are memory planned; export with memory_planned_outputs=False"):
+            program.load_method("forward")
+    broken = export_program(small_methods, partitioner=Partitioner(skip_ops=("aten.relu.default",)),
+                            memory_planned_outputs=False).to_bytes()
+    with Runtime().load_program(broken, backend_options={"IreeBackend": {"bound_surfaces": name}}) as program:
+        with pytest.raises(InvalidArgument, match=r"it runs 6 instructions \(delegate_call 0, host_op aten.relu.default, .*\), not this delegate's call alone"):
+            program.load_method("forward")
+
+
+def test_unplanned_outputs_need_caller_storage(scale_bias):
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        assert not forward.method_meta.outputs[0].memory_planned
+        with pytest.raises(ExecutionError, match=r"Output 0 of method 'forward' is not memory planned .*pass its storage with outputs="):
+            forward.execute([np.zeros(SHAPE, np.float16)])
+
+
+def test_closing_a_bound_surface_fails_the_next_call_cleanly(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        held = frame(src)  # the caller still holds a view of the closed surface: its memory stays valid
+        src.close()
+        with pytest.raises(ExecutionError, match=r"input 0 is bound surface '.*', which was closed"):
+            forward.execute([held], outputs=[frame(dst)])
+
+
+def test_binding_a_closed_or_foreign_object_is_refused(scale_bias, surfaces):
+    surface = surfaces(64, 32)
+    surface.close()
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        with pytest.raises(InvalidArgument, match=r"surface '.*' is closed; open it again before binding it"):
+            forward.bind_surface(surface)
+        with pytest.raises(InvalidArgument, match=r"bind_surface takes an onecopy.Surface, got ndarray"):
+            forward.bind_surface(np.zeros(4))
+
+
+def test_a_surface_locked_by_a_writer_elsewhere_cannot_be_bound(scale_bias, surfaces):
+    surface = surfaces(64, 32)
+    child = subprocess.Popen([sys.executable, "-m", "tests.surface_child", "hold", surface.name, "write"], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with Runtime().load_program(scale_bias) as program:
+            with pytest.raises(InvalidArgument, match=r"surface '.*' cannot be bound"):
+                program.load_method("forward").bind_surface(surface)
+    finally:
+        child.kill()
+        child.communicate()
