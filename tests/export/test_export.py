@@ -194,10 +194,14 @@ def test_compile_spec_defaults_vmfb_to_this_machine():
     assert CompileSpec(packaging="vmfb").targets in {("x86_64",), ("aarch64",)}
 
 
-def test_partitioner_errors():
+def test_partitioner_errors(small_methods):
     with pytest.raises(InvalidArgument, match="skip_ops is a tuple of op names"):
         Partitioner(skip_ops="aten.relu.default")
     with pytest.raises(InvalidArgument, match="multifunction expects bool, got int"):
         Partitioner(multifunction=1)
-    with pytest.raises(InvalidArgument, match="partitioner must be an onecopy.export.Partitioner"):
-        export_program({"forward": None}, partitioner="nope")
+    with pytest.raises(InvalidArgument, match="partitioner must be an onecopy.export.Partitioner or a dict"):
+        export_program(small_methods, partitioner="nope")
+    with pytest.raises(InvalidArgument, match=r"compile_spec\['prefill'\] must be an onecopy.export.CompileSpec, got str"):
+        export_program(small_methods, compile_spec={"forward": CompileSpec(), "prefill": "vmfb"})
+    with pytest.raises(InvalidArgument, match=r"partitioner names methods \['forward'\], but the program's methods are \['forward', 'prefill'\]"):
+        export_program(small_methods, partitioner={"forward": Partitioner()})

@@ -383,7 +383,8 @@ class SpecializationCache:
                                "checksum": _checksum(mapped if mapped is not None else b"")}
                 if mapped is not None:
                     mapped.close()
-            meta = {"key": key, "files": files, "encoded": encoded, "created": time.time(),
+            meta = {"key": key, "files": files, "encoded": encoded, "data_tiling": result.data_tiling,
+                    "created": time.time(),
                     "format": CACHE_FORMAT_VERSION, **info}
             with open(staging / _META, "w") as f:
                 json.dump(meta, f, indent=1)

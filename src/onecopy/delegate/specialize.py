@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onecopy.delegate.engine import ENCODED_SCOPE, compile_bundle, hal_device, vm_instance
+from onecopy.delegate.engine import ENCODED_SCOPE, compile_bundle, compile_bundle_best, hal_device, vm_instance
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError
@@ -41,6 +41,7 @@ class Specialization:
 
     module: bytes
     encoded: dict[str, np.ndarray] = field(default_factory=dict)  # name in scope `encoded` -> bytes (uint8)
+    data_tiling: bool = True
 
 
 def _encoder_flags(path: Path) -> list[str]:
@@ -123,7 +124,9 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
         encoder_path = Path(tmp) / "encoder.mlir"
         extra = _encoder_flags(encoder_path) if parameters and target.compute_unit == "cpu" else []
         try:
-            module = compile_bundle(source, target, for_host=True, extra_flags=extra)
+            module, data_tiling = compile_bundle_best(source, target, for_host=True, where=where, extra_flags=extra)
+            if not data_tiling:
+                return Specialization(module, data_tiling=False)
             if not encoder_path.exists() or encoder_path.stat().st_size == 0:
                 return Specialization(module)
             encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=True, data_tiling=False)

@@ -54,9 +54,51 @@ def _tensor_spec(node: fx.Node, where: str) -> TensorSpec:
     return TensorSpec(shape=shape, dtype=str(val.dtype).removeprefix("torch."))
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _is_symbolic(node: fx.Node) -> bool:
+    """A shape computation (sym_size, arithmetic on sizes): recomputed inside each partition that needs it."""
+    return isinstance(node.meta.get("val"), _SYMBOLIC)
+
+
+def _dim_value(d: Any) -> int:
+    return int(d) if isinstance(d, int) else int(d.node.hint)
+
+
 def _example(node: fx.Node) -> torch.Tensor:
     val = node.meta["val"]
-    return torch.zeros([int(d) for d in val.shape], dtype=val.dtype)
+    return torch.zeros([_dim_value(d) for d in val.shape], dtype=val.dtype)
+
+
+def _dynamic_shapes(nodes: list[fx.Node], ranges: dict[str, tuple[int, int | None]]) -> tuple | None:
+    """torch.export dynamic_shapes for re-exporting a partition: one `Dim` per symbol, shared across arguments
+    so the engine function keeps the method's dynamic dimensions. None when every shape is static, and
+    `False` when a dimension is an expression (e.g. 2*s0) a `Dim` cannot name."""
+    dims: dict[str, Any] = {}
+    specs = []
+    for node in nodes:
+        spec = {}
+        for axis, d in enumerate(node.meta["val"].shape):
+            if isinstance(d, int):
+                continue
+            name = str(d)
+            if name not in ranges:
+                return False  # type: ignore[return-value]
+            if name not in dims:
+                low, high = ranges[name]
+                dims[name] = torch.export.Dim(name, min=max(low, 0), max=high) if high is not None else torch.export.Dim(name, min=max(low, 0))
+            spec[axis] = dims[name]
+        specs.append(spec or None)
+    return tuple(specs) if dims else None
+
+
+def _symbol_ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
+    ranges = {}
+    for symbol, vr in ep.range_constraints.items():
+        upper = vr.upper
+        ranges[str(symbol)] = (int(vr.lower), int(upper) if upper.is_finite else None)
+    return ranges
 
 
 @dataclass
@@ -68,12 +110,15 @@ class _DelegatePartition:
     parameters: list[str]
     example_args: tuple[torch.Tensor, ...]
     example_results: tuple[torch.Tensor, ...]
+    dynamic_args: tuple | None
+    dynamic_results: tuple | None | bool
     input_names: list[str]
     output_names: list[str]
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
-                              self.example_results, f"method '{self.method}', partition {self.index}")
+                              self.example_results, f"method '{self.method}', partition {self.index}",
+                              self.dynamic_args, self.dynamic_results)
 
 
 @dataclass
@@ -82,6 +127,7 @@ class _MethodPlan:
 
     name: str
     table: ParameterTable
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     ids: dict[fx.Node, int] = field(default_factory=dict)
     num_values: int = 0
     weights: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> table name
@@ -106,6 +152,14 @@ class _MethodPlan:
         return self.ids[node]
 
     def encode(self, arg: Any, node: fx.Node) -> ValueArg | ConstArg:
+        if isinstance(arg, fx.Node) and _is_symbolic(arg) or (
+            isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg)
+        ):
+            raise ExportError(
+                f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes a dynamic size or a "
+                "list of values, which host kernels cannot take yet; let the engine take this op or export the "
+                "method with static shapes."
+            )
         if isinstance(arg, fx.Node):
             return ValueArg(id=self.value(arg))
         if arg is None or isinstance(arg, (bool, int, float, str)):
@@ -147,7 +201,7 @@ def _plan_method(
             "eval mode, or return the new state as an output."
         )
     graph = ep.graph_module.graph
-    plan = _MethodPlan(name, table)
+    plan = _MethodPlan(name, table, _symbol_ranges(ep))
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -183,7 +237,9 @@ def _plan_method(
         outputs.append(plan.value(value))
         spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'")
         output_specs.append(msgspec.structs.replace(spec_, memory_planned=memory_planned_outputs))
+    used = {d for spec in input_specs + output_specs for d in spec.shape if isinstance(d, str)}
     return MethodDef(
+        symbols={sym: [low, high] for sym, (low, high) in plan.ranges.items() if sym in used},
         name=name,
         num_values=plan.num_values,
         inputs=inputs,
@@ -213,10 +269,22 @@ def _plan_host_op(plan: _MethodPlan, node: fx.Node) -> None:
 def _plan_delegate_partition(
     plan: _MethodPlan, partition: Partition, index: int, delegate: int
 ) -> _DelegatePartition | None:
-    members = set(partition.nodes)
+    # Shape computations the partition reads are recomputed inside it, ahead of its own nodes.
+    symbolic: list[fx.Node] = []
+
+    def pull(node: fx.Node) -> None:
+        for source in node.all_input_nodes:
+            if _is_symbolic(source) and source not in symbolic:
+                pull(source)
+                symbolic.append(source)
+
+    for node in partition.nodes:
+        pull(node)
+    nodes = symbolic + partition.nodes
+    members = set(nodes)
     weights: list[fx.Node] = []
     activations: list[fx.Node] = []
-    for node in partition.nodes:
+    for node in nodes:
         for source in node.all_input_nodes:
             if source in members:
                 continue
@@ -234,7 +302,7 @@ def _plan_delegate_partition(
     for source in weights + activations:
         env[source] = graph.placeholder(source.name)
         env[source].meta = dict(source.meta)
-    for node in partition.nodes:
+    for node in nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in results))
     graph_module = fx.GraphModule(torch.nn.Module(), graph)
@@ -253,6 +321,8 @@ def _plan_delegate_partition(
         parameters=[plan.weights[w] for w in weights],
         example_args=tuple(_example(a) for a in activations),
         example_results=tuple(_example(r) for r in results),
+        dynamic_args=_dynamic_shapes(activations, plan.ranges),
+        dynamic_results=_dynamic_shapes(activations + results, plan.ranges),
         input_names=[a.name for a in activations],
         output_names=[r.name for r in results],
     )
@@ -280,19 +350,68 @@ def _deliver(
     return export_hash, keys, bound
 
 
+def _per_method(methods: Mapping[str, Any], given: Any, kind: type, what: str) -> dict[str, Any]:
+    """One `kind` for every method: the same one, or the one a dict gives each method."""
+    if given is None:
+        given = kind()
+    if isinstance(given, kind):
+        return {name: given for name in methods}
+    if not isinstance(given, Mapping):
+        raise InvalidArgument(
+            f"{what} must be an onecopy.export.{kind.__name__} or a dict of method name -> {kind.__name__}, "
+            f"got {type(given).__name__}."
+        )
+    missing = [m for m in methods if m not in given]
+    extra = [m for m in given if m not in methods]
+    if missing or extra:
+        raise InvalidArgument(
+            f"{what} names methods {sorted(given)}, but the program's methods are {sorted(methods)}; give one "
+            f"{kind.__name__} per method."
+        )
+    for name, value in given.items():
+        if not isinstance(value, kind):
+            raise InvalidArgument(f"{what}['{name}'] must be an onecopy.export.{kind.__name__}, got {type(value).__name__}.")
+    return dict(given)
+
+
+def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, CompileSpec]) -> bool:
+    """Multifunction is all or nothing, and the methods that share one module share one compile spec."""
+    on = sorted(m for m, p in partitioners.items() if p.multifunction)
+    if not on:
+        return False
+    off = sorted(m for m, p in partitioners.items() if not p.multifunction)
+    if off:
+        raise ExportError(
+            f"Partitioner(multifunction=True) is set for methods {', '.join(on)} but not for {', '.join(off)}: "
+            "all methods of a multifunction program share one module. Set it for every method, or for none."
+        )
+    first_name, first = next(iter(specs.items()))
+    for name, spec in specs.items():
+        differing = [f for f in ("packaging", "compute_units", "targets") if getattr(spec, f) != getattr(first, f)]
+        if differing:
+            raise ExportError(
+                f"Methods '{first_name}' and '{name}' have compile specs differing in {', '.join(differing)} "
+                f"({', '.join(f'{getattr(first, f)!r} vs {getattr(spec, f)!r}' for f in differing)}), but a "
+                "multifunction program compiles all its methods as one module. Give them the same CompileSpec."
+            )
+    return True
+
+
 def export_program(
     methods: Mapping[str, ExportedProgram],
     *,
-    partitioner: Partitioner | None = None,
-    compile_spec: CompileSpec | None = None,
+    partitioner: Partitioner | Mapping[str, Partitioner] | None = None,
+    compile_spec: CompileSpec | Mapping[str, CompileSpec] | None = None,
     memory_planned_outputs: bool = True,
 ) -> ProgramFile:
     """Export the methods of a model into one program.
 
     Args:
         methods: method name -> `torch.export.export(...)` program, e.g. {"forward": ep1, "prefill": ep16}.
-        partitioner: which ops the engine takes, and whether all methods share one module (multifunction).
-        compile_spec: packaging (mlir | vmfb), compute units and targets.
+        partitioner: which ops the engine takes, and whether all methods share one module (multifunction). One
+            for all methods, or a dict method name -> Partitioner.
+        compile_spec: packaging (mlir | vmfb), compute units and targets. One for all methods, or a dict method
+            name -> CompileSpec (with multifunction, all must be equal: the methods share one module).
         memory_planned_outputs: False makes every method's outputs caller-provided (`execute(..., outputs=...)`),
             as for writing them into bound surfaces; True (default): the runtime allocates them.
 
@@ -304,20 +423,18 @@ def export_program(
         UnsupportedOperator: an op that neither IREE nor a host kernel can run.
         ExportError: the model cannot be lowered (the message names method and partition).
     """
-    partitioner = partitioner if partitioner is not None else Partitioner()
-    compile_spec = compile_spec if compile_spec is not None else CompileSpec()
-    if not isinstance(partitioner, Partitioner):
-        raise InvalidArgument(f"partitioner must be an onecopy.export.Partitioner, got {type(partitioner).__name__}.")
-    if not isinstance(compile_spec, CompileSpec):
-        raise InvalidArgument(f"compile_spec must be an onecopy.export.CompileSpec, got {type(compile_spec).__name__}.")
     _check_methods(methods)
+    partitioners = _per_method(methods, partitioner, Partitioner, "partitioner")
+    specs = _per_method(methods, compile_spec, CompileSpec, "compile_spec")
+    multifunction = _check_multifunction(partitioners, specs)
+    if type(memory_planned_outputs) is not bool:
+        raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
 
     table = ParameterTable()
     partitions: list[_DelegatePartition] = []
-    if type(memory_planned_outputs) is not bool:
-        raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
     method_defs = [
-        _plan_method(name, ep, partitioner, table, partitions, memory_planned_outputs) for name, ep in methods.items()
+        _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs)
+        for name, ep in methods.items()
     ]
 
     store = NamedDataStore()
@@ -326,11 +443,12 @@ def export_program(
         store.add(constant.key, ParameterTable.host_bytes(table.tensors[name]))
 
     manifests: list[dict[str, Any]] = [{} for _ in partitions]
-    if partitioner.multifunction:
+    if multifunction:
         groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
     else:
         groups = [[(p, "main")] for p in partitions]
     for group in groups:
+        compile_spec = specs[group[0][0].method]  # one spec per group: checked equal for multifunction
         bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec)
         used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
         export_hash, keys, bound = _deliver(bundle, table, used, store)
@@ -341,13 +459,14 @@ def export_program(
                 "export_hash": export_hash,
                 "bundle": keys,
                 "function": function,
-                "dps_function": f"{function}_dps",
                 "input_names": p.input_names,
                 "output_names": p.output_names,
                 "compute_units": compile_spec.compute_units,
                 "parameters": bound,
             }
-            if partitioner.multifunction:
+            if f"{function}_dps" in bundle.dps_functions:
+                manifest["dps_function"] = f"{function}_dps"
+            if multifunction:
                 manifest["multifunction"] = True
             manifests[p.delegate] = manifest
     definition = ProgramDef(

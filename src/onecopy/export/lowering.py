@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from onecopy.delegate.engine import compile_bundle
+from onecopy.delegate.engine import compile_bundle_best
 from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
 from onecopy.delegate.targets import TARGETS
 from onecopy.errors import DelegateError, ExportError
@@ -33,6 +33,9 @@ class StagedFunction:
     example_args: tuple[torch.Tensor, ...]
     example_results: tuple[torch.Tensor, ...]
     where: str  # "method 'forward', partition 0", for errors
+    dynamic_args: tuple | None = None  # torch.export dynamic_shapes of the arguments
+    # ... of the arguments and results (the destination-passing twin's); False: not expressible, no twin
+    dynamic_results: tuple | None | bool = None
 
     @property
     def dps_name(self) -> str:
@@ -44,6 +47,12 @@ class LoweredBundle:
     packaging: str
     code: dict[str, bytes]  # PORTABLE -> MLIR bytecode, or target name -> vmfb
     functions: list[str]
+    dps_functions: list[str]
+
+
+def _varargs(specs: tuple | None | bool) -> tuple | None:
+    # The staged functions take `*args`, which torch.export sees as one tuple argument.
+    return (specs,) if specs else None
 
 
 def _stage(fxb, function: StagedFunction) -> None:
@@ -62,9 +71,15 @@ def _stage(fxb, function: StagedFunction) -> None:
             out.copy_(result)
         return args[n_inputs].new_zeros(())
 
-    fxb.export_program(name=function.name, args=function.example_args, strict=False)(call)
+    fxb.export_program(
+        name=function.name, args=function.example_args, strict=False, dynamic_shapes=_varargs(function.dynamic_args)
+    )(call)
+    if function.dynamic_results is False:
+        return
     dps_args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
-    fxb.export_program(name=function.dps_name, args=dps_args, strict=False)(call_dps)
+    fxb.export_program(
+        name=function.dps_name, args=dps_args, strict=False, dynamic_shapes=_varargs(function.dynamic_results)
+    )(call_dps)
 
 
 def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
@@ -93,7 +108,8 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         code = {}
         for target in spec.targets:
             try:
-                code[target] = compile_bundle(bytecode, TARGETS[target], for_host=False)
+                code[target], _ = compile_bundle_best(bytecode, TARGETS[target], for_host=False, where=where)
             except DelegateError as e:
                 raise ExportError(f"{where}: {e}") from e
-    return LoweredBundle(spec.packaging, code, [f.name for f in functions])
+    return LoweredBundle(spec.packaging, code, [f.name for f in functions],
+                         [f.dps_name for f in functions if f.dynamic_results is not False])

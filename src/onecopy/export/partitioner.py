@@ -72,6 +72,8 @@ class Partitioner:
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
+            if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                continue  # a shape computation: each partition that reads it recomputes it
             if node.target is operator.getitem:
                 # An element of a multi-output op lives where its producer runs; a host producer's elements are
                 # plain values of the method, no instruction of their own.

@@ -95,6 +95,8 @@ class MethodDef(_Strict):
     output_specs: list[TensorSpec]
     instructions: list[Instruction]
     constants: list[ConstantDef] = []
+    # Dynamic dimensions: symbol -> [min, max] (max None: unbounded), as exported with torch.export.Dim.
+    symbols: dict[str, list[Union[int, None]]] = {}
 
 
 class DelegateDef(_Strict):

@@ -36,7 +36,10 @@ def as_array(value: Any, what: str) -> np.ndarray:
         raise ExecutionError(f"{what} is not an array: {type(value).__name__}.") from e
 
 
-def _check_tensor(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str) -> None:
+def _check_tensor(
+    array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str,
+    ranges: dict[str, list[int | None]] | None = None,
+) -> None:
     if array.dtype != meta.dtype:
         raise ExecutionError(
             f"{what} has dtype {array.dtype}; expected {meta.dtype}. Convert it, e.g. x.astype(np.{meta.dtype})."
@@ -45,6 +48,12 @@ def _check_tensor(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], 
         raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
     for axis, (given, want) in enumerate(zip(array.shape, meta.shape)):
         if isinstance(want, str):
+            low, high = (ranges or {}).get(want, (None, None))
+            if (low is not None and given < low) or (high is not None and given > high):
+                raise ExecutionError(
+                    f"{what} has size {given} at dimension {axis} ('{want}'), outside its exported range "
+                    f"[{low}, {high if high is not None else 'inf'}]; re-export with a wider torch.export.Dim."
+                )
             bound = symbols.setdefault(want, given)
             if bound != given:
                 raise ExecutionError(
@@ -125,7 +134,7 @@ class Method:
         for i, (value, vid, tmeta) in enumerate(zip(inputs, definition.inputs, meta.inputs)):
             what = f"Input {i} of method '{self.name}'"
             array = as_array(value, what)
-            _check_tensor(array, tmeta, symbols, what)
+            _check_tensor(array, tmeta, symbols, what, definition.symbols)
             values_set(vid, array)
         for vid, constant in self._constants.items():
             values_set(vid, constant)
