@@ -66,3 +66,10 @@ def test_console_script_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "onecopy.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert "demo" in result.stdout and "inspect" in result.stdout
+
+
+def test_bench_prints_latency_percentiles(small_program_path, capsys):
+    assert main(["bench", str(small_program_path), "--runs", "5", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "p50 ms" in out and "forward" in out and "prefill" in out and "float32[16, 64]" in out
+

@@ -1,4 +1,4 @@
-"""onecopy demo | export | inspect | run | cache"""
+"""onecopy demo | export | inspect | run | bench | cache"""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from onecopy.errors import InvalidArgument, OnecopyError
@@ -126,7 +127,45 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from onecopy.demo import run_demo
 
-    return run_demo(workdir=Path(args.workdir) if args.workdir else None)
+    return run_demo(workdir=Path(args.workdir) if args.workdir else None, plot=Path(args.plot) if args.plot else None)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import numpy as np
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from onecopy.runtime import Runtime
+
+    options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
+    table = Table(title=f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up)")
+    for column in ("method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms"):
+        table.add_column(column, justify="right" if "ms" in column else "left")
+    with Runtime().load_program(args.file, backend_options=options) as program:
+        names = args.method or program.method_names
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            for name in names:
+                method = program.load_method(name)
+                meta = method.method_meta
+                if any(t.is_dynamic for t in meta.inputs):
+                    raise InvalidArgument(f"Method '{name}' has dynamic inputs; bench runs static-shape methods only.")
+                rng = np.random.default_rng(0)
+                inputs = [rng.standard_normal(t.shape).astype(t.dtype) for t in meta.inputs]
+                outputs = [None if t.memory_planned else np.empty(t.shape, t.dtype) for t in meta.outputs]
+                task = progress.add_task(f"{name}", total=args.warmup + args.runs)
+                times = []
+                for i in range(args.warmup + args.runs):
+                    start = time.perf_counter()
+                    method.execute(inputs, outputs=outputs)
+                    if i >= args.warmup:
+                        times.append((time.perf_counter() - start) * 1e3)
+                    progress.advance(task)
+                p50, p90, p99 = np.percentile(times, [50, 90, 99])
+                shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in meta.inputs)
+                table.add_row(name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}")
+    Console().print(table)
+    return 0
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -161,9 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log delegate loads (specialized/restored, times)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="export, load and run the built-in model and print a report")
+    p = sub.add_parser("demo", help="measure what onecopy buys on this machine, on the built-in model")
     p.add_argument("--workdir", help="where to write the demo's programs (default: a temporary directory)")
+    p.add_argument("--plot", help="also draw the figures into this PNG file (needs matplotlib)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="latency percentiles of a program's methods")
+    p.add_argument("file")
+    p.add_argument("--method", action="append", help="method to run (default: all); repeatable")
+    p.add_argument("--runs", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("export", help="export a model's methods into one program file")
     p.add_argument("model", help="MODULE:FACTORY returning a torch.nn.Module, e.g. onecopy.models:builtin_model")

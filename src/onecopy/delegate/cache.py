@@ -214,6 +214,9 @@ class SpecializationCache:
         db = sqlite3.connect(self._index_path, timeout=60, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
+            # The index only orders eviction: WAL with synchronous=NORMAL keeps it consistent across a crash
+            # without an fsync per restore. The entries themselves are fsynced when published.
+            db.execute("PRAGMA synchronous=NORMAL")
             db.execute("BEGIN IMMEDIATE")
             yield db
             db.execute("COMMIT")

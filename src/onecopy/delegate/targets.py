@@ -109,7 +109,8 @@ def select_target(compute_units: str, where: str, *, candidates: tuple[str, ...]
         raise InvalidArgument(
             f"{where}: unknown compute units '{compute_units}'; expected one of {', '.join(COMPUTE_UNITS)}."
         )
-    have = available_compute_units()
+    # Probing GPU drivers costs milliseconds a warm CPU load should not pay: only look when a GPU may be used.
+    have = ("cpu",) if compute_units == "cpu" else available_compute_units()
     if compute_units != "all" and compute_units not in have:
         raise DelegateError(
             f"{where}: compute units '{compute_units}' are not available on this machine; it has {', '.join(have)}. "
