@@ -38,12 +38,12 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from onecopy.delegate.cache_index import CacheIndex, EntryInfo
 from onecopy.errors import DelegateError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -117,19 +117,6 @@ class CacheIdentity:
     inode: int
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    key: str
-    program: str
-    packaging: str
-    compute_units: str
-    target: str
-    size: int
-    created: float
-    last_access: float
-    hits: int
-
-
 class CacheEntry:
     """A restored entry held open: its files, mapped, and a shared lock that keeps eviction away until `close()`.
 
@@ -195,41 +182,10 @@ class SpecializationCache:
         self.locks = self.root / "locks"
         for d in (self.entries, self.tmp, self.locks):
             d.mkdir(parents=True, exist_ok=True)
-        self._index_path = self.root / "index.sqlite"
+        self.index = CacheIndex(self.root / "index.sqlite")
         self._key_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
-        with self._index() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, program TEXT, packaging TEXT, "
-                "compute_units TEXT, target TEXT, size INTEGER, created REAL, last_access REAL, hits INTEGER)"
-            )
         self._sweep_tmp()
-
-    # -- index ---------------------------------------------------------------------------------------------
-
-    @contextmanager
-    def _index(self) -> Iterator[sqlite3.Connection]:
-        # One short-lived connection per use: sqlite connections are not for sharing across threads, and
-        # other processes write the same index. The busy timeout makes them take turns.
-        db = sqlite3.connect(self._index_path, timeout=60, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            # The index only orders eviction: WAL with synchronous=NORMAL keeps it consistent across a crash
-            # without an fsync per restore. The entries themselves are fsynced when published.
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("BEGIN IMMEDIATE")
-            yield db
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        finally:
-            db.close()
-
-    def _touch(self, key: str) -> None:
-        with self._index() as db:
-            db.execute("UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (time.time(), key))
 
     # -- public ----------------------------------------------------------------------------------------------
 
@@ -264,17 +220,10 @@ class SpecializationCache:
             return entry, "specialized"
 
     def ls(self) -> list[EntryInfo]:
-        with self._index() as db:
-            rows = db.execute(
-                "SELECT key, program, packaging, compute_units, target, size, created, last_access, hits "
-                "FROM entries ORDER BY last_access DESC"
-            ).fetchall()
-        return [EntryInfo(*row) for row in rows]
+        return self.index.ls()
 
     def total_bytes(self) -> int:
-        with self._index() as db:
-            (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-        return int(total)
+        return self.index.total_bytes()
 
     def verify(self) -> list[tuple[str, str]]:
         """Check every entry; remove bad ones. Returns (key, problem) for each removed entry."""
@@ -285,10 +234,9 @@ class SpecializationCache:
                 removed.append((path.name, problem))
                 self._remove(path.name)
         # Rows whose entry directory is gone (removed by hand) are dropped too.
-        with self._index() as db:
-            for (key,) in db.execute("SELECT key FROM entries").fetchall():
-                if not (self.entries / key).exists():
-                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        for info in self.index.ls():
+            if not (self.entries / info.key).exists():
+                self.index.forget(info.key)
         return removed
 
     def clear(self) -> int:
@@ -358,7 +306,7 @@ class SpecializationCache:
             self._remove(key)
             return None
         maps, meta = result
-        self._touch(key)
+        self.index.touch(key)
         return CacheEntry(key, path / _MODULE, fd, maps, meta.get("encoded", []))  # type: ignore[arg-type]
 
     def _publish(self, key: str, result: "Specialization", **info: str) -> None:
@@ -401,13 +349,7 @@ class SpecializationCache:
             if e.errno == errno.ENOSPC:
                 raise DelegateError(f"The cache directory '{self.directory}' is full; run `onecopy cache clear`.") from e
             raise
-        size = sum(f["size"] for f in files.values())
-        now = time.time()
-        with self._index() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                (key, info["program"], info["packaging"], info["compute_units"], info["target"], size, now, now),
-            )
+        self.index.record(key, size=sum(f["size"] for f in files.values()), **info)
 
     def _remove(self, key: str, *, only_if_unused: bool = False) -> bool:
         path = self.entries / key
@@ -421,8 +363,7 @@ class SpecializationCache:
             pass
         else:
             shutil.rmtree(trash, ignore_errors=True)
-        with self._index() as db:
-            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        self.index.forget(key)
         return True
 
     @staticmethod
