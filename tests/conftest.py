@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from onecopy.export import CompileSpec, Partitioner, export_program
-from onecopy.models import builtin_methods, builtin_model
+from onecopy.models import attention_block, builtin_methods, builtin_model
 from onecopy.program import ProgramFile
 
 PACKAGINGS = ("mlir", "vmfb")
@@ -25,24 +25,9 @@ class TwoInTwoOut(torch.nn.Module):
         return h * 2.0, torch.sigmoid(h).sum(dim=-1)
 
 
-class AttentionBlock(torch.nn.Module):
-    """Pre-norm self-attention + MLP, as in a transformer layer."""
-
-    def __init__(self, dim: int = 64, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.norm2 = torch.nn.LayerNorm(dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
+def AttentionBlock(dim: int = 64, heads: int = 4):
+    """The built-in transformer layer (weights from seed 0)."""
+    return attention_block(dim, heads)
 
 
 def small_builtin():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["builtin_model", "builtin_methods"]
+__all__ = ["builtin_model", "builtin_methods", "attention_block"]
 
 WIDTH = 1024
 LAYERS = 8
@@ -41,3 +41,30 @@ def builtin_methods(model=None, batches: dict[str, int] | None = None, width: in
     return {
         name: torch.export.export(model, (torch.zeros(batch, width),)) for name, batch in batches.items()
     }
+
+
+def attention_block(dim: int = 64, heads: int = 4, seed: int = 0):
+    """A transformer layer (pre-norm self-attention + GELU MLP), in eval mode: the benchmarks' "real" model."""
+    torch = _torch()
+
+    class AttentionBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = heads
+            self.norm1 = torch.nn.LayerNorm(dim)
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.proj = torch.nn.Linear(dim, dim)
+            self.norm2 = torch.nn.LayerNorm(dim)
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+            )
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            att = torch.softmax(q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5, dim=-1)
+            x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp(self.norm2(x))
+
+    torch.manual_seed(seed)
+    return AttentionBlock().eval()
