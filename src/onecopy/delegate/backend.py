@@ -158,7 +158,7 @@ class IreeBackend(Backend):
             state = model.load_state
             release = model.close
         try:
-            function = model.function(parsed.function, parsed.dps_function or None)
+            function = model.function(parsed.function, outputs_in_place=parsed.outputs_in_place)
         except BaseException:
             release()
             raise

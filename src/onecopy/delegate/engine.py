@@ -182,17 +182,14 @@ class LoadedModel:
             with self._pool_lock:
                 self._pool.append(context)
 
-    def function(self, name: str, dps_name: str | None = None) -> "EngineFunction":
+    def function(self, name: str, *, outputs_in_place: bool = False) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
         if vm_function is None:
             raise DelegateError(
                 f"{self.where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
                 "Re-export the program."
             )
-        dps = self.module.lookup_function(dps_name) if dps_name else None
-        if dps_name and dps is None:
-            raise DelegateError(f"{self.where}: the bundle has no function '{dps_name}'. Re-export the program.")
-        return EngineFunction(self, vm_function, name, dps)
+        return EngineFunction(self, vm_function, name, outputs_in_place)
 
     def close(self) -> None:
         """Drop the contexts and modules; the cache entry (if any) is released after them."""
@@ -212,18 +209,19 @@ def _data_pointer(array: np.ndarray) -> int:
 class EngineFunction:
     """Calls one function of a loaded model on numpy arrays, in place where a bound surface allows it.
 
-    `dps_function` is the destination-passing twin of the function (outputs as trailing arguments, written in
-    place): used when the caller's output storage is a bound surface, so the engine writes the surface itself.
+    `outputs_in_place`: the function is destination-passing (outputs as trailing arguments, written in place).
+    A bound surface given as output storage is then handed over as is, so the engine writes the surface itself;
+    other storage gets an engine buffer that is copied out after the call.
     """
 
-    def __init__(self, model: LoadedModel, vm_function: Any, name: str, dps_function: Any = None):
+    def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False):
         import iree.runtime as ireert
 
         self._rt = ireert
         self.model = model
         self.name = name
         self._vm_function = vm_function
-        self._dps_function = dps_function
+        self.outputs_in_place = outputs_in_place
         self._memory_type = ireert.MemoryType.DEVICE_LOCAL
         self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
         # base address -> binding; replaced (never mutated) so concurrent calls read a consistent table.
@@ -269,11 +267,12 @@ class EngineFunction:
                 stats.copied_in += array.nbytes
 
         out_bindings = [bound(out) for out in outputs]
-        in_place = (
-            self._dps_function is not None
-            and all(out is not None for out in outputs)
-            and any(b is not None and b.dense for b in out_bindings)
-        )
+        in_place = self.outputs_in_place
+        if in_place and any(out is None for out in outputs):
+            raise ExecutionError(
+                f"{self.model.where}: function '{self.name}' writes its outputs in place and needs storage for each; "
+                "pass it with outputs=[...]."
+            )
         staged: list[tuple[int, Any]] = []  # outputs of a destination-passing call that still need a copy out
         if in_place:
             for i, (out, binding) in enumerate(zip(outputs, out_bindings)):
@@ -295,7 +294,7 @@ class EngineFunction:
                 stack.enter_context(surface.lock(readonly=readonly))
             with self.model.context() as context:
                 try:
-                    context.invoke(self._dps_function if in_place else self._vm_function, args, results)
+                    context.invoke(self._vm_function, args, results)
                 except RuntimeError as e:
                     raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
 

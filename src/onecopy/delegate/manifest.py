@@ -6,8 +6,8 @@ Example (a portable delegate of a single-function module):
      "function": "main", "input_names": ["x"], "output_names": ["relu_7"], "compute_units": "cpu",
      "parameters": {"l_0_weight": "param/3a1e…"}}
 
-`dps_function`, when present, names the destination-passing twin of `function` (used to write outputs into
-bound surfaces in place). `bundle` has one key per target for `vmfb` packaging (`{"x86_64": …, "aarch64": …}`) and the single key
+`outputs_in_place: true` marks a destination-passing `function` (outputs as trailing arguments, written in
+place), exported for caller-provided outputs. `bundle` has one key per target for `vmfb` packaging (`{"x86_64": …, "aarch64": …}`) and the single key
 `portable` for `mlir`. `parameters` maps each engine parameter name (scope `model`) to its named data key.
 """
 
@@ -39,8 +39,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     compute_units: str
     parameters: dict[str, str] = {}
     multifunction: bool = False
-    # Destination-passing twin of `function`: outputs as trailing arguments, written in place (bound surfaces).
-    dps_function: str = ""
+    # `function` is destination-passing: it takes its outputs' storage as trailing arguments and writes them in
+    # place (so a bound surface is written by the engine itself); its return value is a 0-d placeholder.
+    outputs_in_place: bool = False
 
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:

@@ -112,13 +112,14 @@ class _DelegatePartition:
     example_results: tuple[torch.Tensor, ...]
     dynamic_args: tuple | None
     dynamic_results: tuple | None | bool
+    outputs_in_place: bool
     input_names: list[str]
     output_names: list[str]
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
                               self.example_results, f"method '{self.method}', partition {self.index}",
-                              self.dynamic_args, self.dynamic_results)
+                              self.dynamic_args, self.dynamic_results or None, self.outputs_in_place)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class _MethodPlan:
     name: str
     table: ParameterTable
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    memory_planned_outputs: bool = True
     ids: dict[fx.Node, int] = field(default_factory=dict)
     num_values: int = 0
     weights: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> table name
@@ -201,7 +203,7 @@ def _plan_method(
             "eval mode, or return the new state as an output."
         )
     graph = ep.graph_module.graph
-    plan = _MethodPlan(name, table, _symbol_ranges(ep))
+    plan = _MethodPlan(name, table, _symbol_ranges(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -313,6 +315,7 @@ def _plan_delegate_partition(
         plan.ids[node] = plan.new_id()
         outputs.append(plan.ids[node])
     plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
+    dynamic_results = _dynamic_shapes(activations + results, plan.ranges)
     return _DelegatePartition(
         method=plan.name,
         index=index,
@@ -322,7 +325,14 @@ def _plan_delegate_partition(
         example_args=tuple(_example(a) for a in activations),
         example_results=tuple(_example(r) for r in results),
         dynamic_args=_dynamic_shapes(activations, plan.ranges),
-        dynamic_results=_dynamic_shapes(activations + results, plan.ranges),
+        dynamic_results=dynamic_results,
+        # Caller-provided outputs (not memory planned) are written in place when the partition produces exactly
+        # the method's outputs: the function takes their storage as arguments.
+        outputs_in_place=(
+            not plan.memory_planned_outputs
+            and dynamic_results is not False
+            and all(u.op == "output" for r in results for u in r.users if u not in members)
+        ),
         input_names=[a.name for a in activations],
         output_names=[r.name for r in results],
     )
@@ -464,8 +474,8 @@ def export_program(
                 "compute_units": compile_spec.compute_units,
                 "parameters": bound,
             }
-            if f"{function}_dps" in bundle.dps_functions:
-                manifest["dps_function"] = f"{function}_dps"
+            if p.outputs_in_place:
+                manifest["outputs_in_place"] = True
             if multifunction:
                 manifest["multifunction"] = True
             manifests[p.delegate] = manifest

@@ -34,12 +34,10 @@ class StagedFunction:
     example_results: tuple[torch.Tensor, ...]
     where: str  # "method 'forward', partition 0", for errors
     dynamic_args: tuple | None = None  # torch.export dynamic_shapes of the arguments
-    # ... of the arguments and results (the destination-passing twin's); False: not expressible, no twin
-    dynamic_results: tuple | None | bool = None
-
-    @property
-    def dps_name(self) -> str:
-        return f"{self.name}_dps"
+    # ... of the arguments and results, for the destination-passing form
+    dynamic_results: tuple | None = None
+    # Destination-passing: the results are written into trailing output arguments instead of returned.
+    outputs_in_place: bool = False
 
 
 @dataclass
@@ -47,39 +45,36 @@ class LoweredBundle:
     packaging: str
     code: dict[str, bytes]  # PORTABLE -> MLIR bytecode, or target name -> vmfb
     functions: list[str]
-    dps_functions: list[str]
 
 
-def _varargs(specs: tuple | None | bool) -> tuple | None:
+def _varargs(specs: tuple | None) -> tuple | None:
     # The staged functions take `*args`, which torch.export sees as one tuple argument.
     return (specs,) if specs else None
 
 
 def _stage(fxb, function: StagedFunction) -> None:
-    """Stage the function, and its destination-passing twin: the same computation writing its results into
-    trailing output arguments (`out.copy_(y)` compiles to a tied alias, so a caller's imported buffer is filled
-    in place). The twin returns a 0-d tensor because an engine function cannot return nothing."""
+    """Stage one function. The destination-passing form writes its results into trailing output arguments
+    (`out.copy_(y)` compiles to a tied alias, so a caller's imported buffer, e.g. a bound surface, is filled in
+    place) and returns a 0-d tensor, because an engine function cannot return nothing. Only one form per
+    partition: a second form would make the parameter encoder pack every weight once more."""
     graph_module, names = function.graph_module, function.parameters
     n_inputs = len(function.example_args)
 
     def call(module, *args):
         return graph_module(*(getattr(module, name) for name in names), *args)
 
-    def call_dps(module, *args):
+    def call_in_place(module, *args):
         results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
         for out, result in zip(args[n_inputs:], results):
             out.copy_(result)
         return args[n_inputs].new_zeros(())
 
-    fxb.export_program(
-        name=function.name, args=function.example_args, strict=False, dynamic_shapes=_varargs(function.dynamic_args)
-    )(call)
-    if function.dynamic_results is False:
-        return
-    dps_args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
-    fxb.export_program(
-        name=function.dps_name, args=dps_args, strict=False, dynamic_shapes=_varargs(function.dynamic_results)
-    )(call_dps)
+    if function.outputs_in_place:
+        args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
+        dynamic, fn = function.dynamic_results, call_in_place
+    else:
+        args, dynamic, fn = function.example_args, function.dynamic_args, call
+    fxb.export_program(name=function.name, args=args, strict=False, dynamic_shapes=_varargs(dynamic))(fn)
 
 
 def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
@@ -111,5 +106,4 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
                 code[target], _ = compile_bundle_best(bytecode, TARGETS[target], for_host=False, where=where)
             except DelegateError as e:
                 raise ExportError(f"{where}: {e}") from e
-    return LoweredBundle(spec.packaging, code, [f.name for f in functions],
-                         [f.dps_name for f in functions if f.dynamic_results is not False])
+    return LoweredBundle(spec.packaging, code, [f.name for f in functions])
