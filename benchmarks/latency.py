@@ -1,0 +1,206 @@
+"""Latency: onecopy Method.execute vs the same module called raw through IREE vs ONNX Runtime vs torch eager.
+
+    python benchmarks/latency.py [--quick]
+
+Models:
+- the built-in model (8 x Linear(1024, 1024) + ReLU, fp32): methods forward [1, 1024] and prefill [16, 1024];
+- a transformer layer (pre-norm self-attention + GELU MLP, dim 512, 8 heads): methods seq64 [1, 64, 512] and
+  seq256 [1, 256, 512].
+Each model is exported by onecopy as ONE multifunction portable (mlir) program, loaded with onecopy.Runtime (the
+load specializes it for this CPU into a temporary cache), and each method is timed against the peers side by side
+(common.measure: warm-up, shuffled interleaved rounds, medians):
+- onecopy: Method.execute([x]);
+- raw IREE: the module of onecopy's cache entry called directly through iree.runtime (common.RawIree);
+- onnxruntime: torch.onnx.export + InferenceSession, default CPU execution provider and threading;
+- torch eager: the model under torch.no_grad().
+A tiny model (one Linear(16, 16)) measures onecopy's own cost per call, where the engine has next to nothing to do.
+
+Targets (the issue's, for the built-in model): onecopy/raw IREE <= 1.03 (runtime overhead), onecopy/ORT <= 0.9,
+onecopy/torch eager <= 0.5. The transformer rows are judged against the same thresholds for information.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import common
+
+TRANSFORMER = {"dim": 512, "heads": 8, "seq": {"seq64": 64, "seq256": 256}}
+PEERS = ("onecopy", "raw IREE", "onnxruntime", "torch eager")
+THRESHOLDS = {"raw IREE": 1.03, "onnxruntime": 0.9, "torch eager": 0.5}
+
+
+def export_models():
+    """(label, model, {method: example input}, {method: torch.export program}) for each model measured."""
+    import numpy as np
+    import torch
+
+    from onecopy.models import METHOD_BATCH, WIDTH, attention_block, builtin_methods, builtin_model
+
+    rng = np.random.default_rng(0)
+    builtin = builtin_model()
+    examples = {name: rng.standard_normal((batch, WIDTH), dtype=np.float32) for name, batch in METHOD_BATCH.items()}
+    yield "builtin", builtin, examples, builtin_methods(builtin)
+
+    block = attention_block(TRANSFORMER["dim"], TRANSFORMER["heads"])
+    examples = {name: rng.standard_normal((1, t, TRANSFORMER["dim"]), dtype=np.float32)
+                for name, t in TRANSFORMER["seq"].items()}
+    methods = {name: torch.export.export(block, (torch.from_numpy(x),)) for name, x in examples.items()}
+    yield "transformer", block, examples, methods
+
+
+def per_call_overhead(work: Path, cache_dir: Path, runtime, budget: float) -> dict:
+    """onecopy's own cost per call: a model so small (one Linear(16, 16) + ReLU) that the engine's work is next
+    to nothing, onecopy Method.execute vs the same module called raw."""
+    import numpy as np
+
+    from onecopy.export import CompileSpec, Partitioner, export_program
+    from onecopy.models import builtin_methods, builtin_model
+
+    model = builtin_model(width=16, layers=1)
+    path = export_program(builtin_methods(model, batches={"forward": 1}, width=16),
+                          partitioner=Partitioner(multifunction=True),
+                          compile_spec=CompileSpec(packaging="mlir")).save(work / "tiny.onecopy")
+    before = common.cache_entries(cache_dir)
+    program = runtime.load_program(path)
+    method = program.load_method("forward")
+    (key,) = common.cache_entries(cache_dir) - before
+    x = np.ones((1, 16), np.float32)
+    peers = {"onecopy": common.OnecopyMethod(method),
+             "raw IREE": common.RawIree(cache_dir / "v1" / "entries" / key, path, "forward_0")}
+    stats = common.measure({p: (lambda f=f: f(x)) for p, f in peers.items()}, budget_s=budget / 2)
+    program.close()
+    us = {p: stats[p].median_ms * 1e3 for p in peers}
+    return {"model": "Linear(16, 16) + ReLU, [1, 16]", "median_us": us, "stats": stats,
+            "onecopy_minus_raw_us": us["onecopy"] - us["raw IREE"]}
+
+
+def describe(label: str, method: str, x) -> str:
+    if label == "builtin":
+        return f"builtin {method} B={x.shape[0]}"
+    return f"transformer {method} T={x.shape[1]}"
+
+
+def main() -> int:
+    args = common.parse_args(__doc__.splitlines()[0])
+    started = time.perf_counter()
+    cpu_start = common.cpu_snapshot()
+    import torch  # noqa: F401  (machine_info records its thread count)
+
+    from onecopy import Runtime
+    from onecopy.delegate.targets import compiler_flags, host_cpu_target
+    from onecopy.export import CompileSpec, Partitioner, export_program
+    from onecopy.inspect import summarize
+    from onecopy.program import DelegateCall, read_program
+
+    machine = common.machine_info()
+    common.print_machine(machine)
+    flags = compiler_flags(host_cpu_target(), for_host=True)
+    print(f"IREE compile flags of the specialization: {' '.join(flags)}")
+    budget = 1.5 if args.quick else 10.0
+
+    rows, results, targets, programs = [], [], [], []
+    with common.temp_workdir("latency") as work, common.isolated_cache(work / "cache") as cache_dir:
+        runtime = Runtime(cache_dir=cache_dir)
+        for label, model, examples, methods in export_models():
+            path = work / f"{label}.onecopy"
+            with common.Stopwatch() as export_watch:
+                export_program(methods, partitioner=Partitioner(multifunction=True),
+                               compile_spec=CompileSpec(packaging="mlir")).save(path)
+            export_s = export_watch.seconds
+            before = common.cache_entries(cache_dir)
+            with common.Stopwatch() as load_watch:
+                program = runtime.load_program(path)
+                loaded = {name: program.load_method(name) for name in examples}
+            load_s = load_watch.seconds
+            new = common.cache_entries(cache_dir) - before
+            if len(new) != 1:
+                raise SystemExit(f"expected one new cache entry for the {label} program, found {sorted(new)}")
+            key = new.pop()
+            entry_dir = cache_dir / "v1" / "entries" / key
+            entry_files = {p.name: p.stat().st_size for p in sorted(entry_dir.iterdir()) if p.is_file()}
+            program_file = read_program(path)
+            parameter_bytes = summarize(program_file, path.stat().st_size).parameter_bytes
+            program_file.close()
+            encoded_ratio = entry_files.get("encoded.bin", 0) / parameter_bytes if parameter_bytes else None
+            programs.append({"model": label, "methods": {n: list(x.shape) for n, x in examples.items()},
+                             "export_s": export_s, "load_with_specialization_s": load_s, "cache_key": key,
+                             "cache_entry_files_bytes": entry_files, "program_bytes": path.stat().st_size,
+                             # a non-empty encoded.bin: specialization also ran IREE's parameter encoder
+                             "specialization_encoded_parameters": entry_files.get("encoded.bin", 0) > 0,
+                             "parameter_bytes": parameter_bytes,
+                             # how many copies of the weights the specialization's encoded (packed) form holds
+                             "encoded_bytes_over_parameter_bytes": encoded_ratio})
+            print(f"\n{label}: exported in {export_s:.1f} s, loaded (specialized) in {load_s:.1f} s, cache entry "
+                  f"{key[:12]}: " + ", ".join(f"{n} {b:,} B" for n, b in entry_files.items())
+                  + (f"; encoded weights = {encoded_ratio:.2f} x the parameters ({parameter_bytes:,} B)"
+                     if encoded_ratio else ""))
+            for name, x in examples.items():
+                definition = next(m for m in program.definition.methods if m.name == name)
+                calls = [i for i in definition.instructions if isinstance(i, DelegateCall)]
+                if len(calls) != 1 or len(definition.instructions) != 1:
+                    raise SystemExit(f"{label}.{name}: expected one delegate call, got {definition.instructions}")
+                function = program.definition.delegates[calls[0].delegate].manifest["function"]
+                peers = {
+                    "onecopy": common.OnecopyMethod(loaded[name]),
+                    "raw IREE": common.RawIree(entry_dir, path, function),
+                    "onnxruntime": common.OnnxRuntime(model, x, work / f"{label}-{name}.onnx"),
+                    "torch eager": common.TorchEager(model),
+                }
+                reference = peers["torch eager"](x)
+                diffs = {p: common.max_abs_diff(peers[p](x), reference) for p in PEERS if p != "torch eager"}
+                snapshot = common.cpu_snapshot()
+                stats = common.measure({p: (lambda f=peers[p], x=x: f(x)) for p in PEERS}, budget_s=budget)
+                others = common.foreign_cpu(snapshot)
+                ratios = {p: stats["onecopy"].median_ms / stats[p].median_ms for p in PEERS if p != "onecopy"}
+                config = describe(label, name, x)
+                rows.append([config] + [common.fmt_ms(stats[p].median_ms) for p in PEERS]
+                            + [common.fmt_ratio(ratios[p]) for p in PEERS if p != "onecopy"]
+                            + [f"{others['fraction']:.0%}"])
+                results.append({
+                    "config": config, "model": label, "method": name, "function": function,
+                    "input_shape": list(x.shape), "median_ms": {p: stats[p].median_ms for p in PEERS},
+                    "stats": stats, "ratios_onecopy_over": ratios, "other_processes_cpu": others,
+                    "max_abs_diff_vs_torch": diffs,
+                    "onnxruntime_intra_op_threads": peers["onnxruntime"].intra_op_threads,
+                    "onnx_exporter": peers["onnxruntime"].exporter,
+                })
+                for peer, threshold in THRESHOLDS.items():
+                    targets.append(common.target(
+                        f"{config}: onecopy/{peer}", ratios[peer], "<=", threshold,
+                        "issue target" if label == "builtin" else "same threshold, for information",
+                    ))
+                del peers
+            program.close()
+
+        overhead = per_call_overhead(work, cache_dir, runtime, budget)
+
+    headers = ["config"] + [f"{p} ms" for p in PEERS] + [f"oc/{p}" for p in PEERS if p != "onecopy"] + ["others' CPU"]
+    common.print_table(headers, rows, title="median time per call (interleaved rounds, after warm-up)")
+    for t in targets:
+        if "raw IREE" in t["name"]:
+            t["note"] += (f"; onecopy's own cost per call, measured on a tiny model in this run: "
+                          f"{overhead['onecopy_minus_raw_us']:.0f} us")
+    us = overhead["median_us"]
+    print(f"\nper-call overhead on a tiny model ({overhead['model']}): onecopy {us['onecopy']:.1f} us, "
+          f"raw IREE {us['raw IREE']:.1f} us -> onecopy adds {overhead['onecopy_minus_raw_us']:.1f} us")
+    common.print_targets(targets)
+    common.write_results("latency", {
+        "what": "median ms per call, side by side; ratios are onecopy's median over each peer's",
+        "iree_compile_flags": flags,
+        "iree_compile_flags_source": "onecopy.delegate.targets.compiler_flags(host_cpu_target(), for_host=True); "
+                                     "when a program's specialization_encoded_parameters is true, specialization "
+                                     "also passed iree-compile's --iree-parameter-encoder-* flags",
+        "programs": programs,
+        "results": results,
+        "per_call_overhead_tiny_model": overhead,
+        "targets": targets,
+        "all_issue_targets_met": all(t["met"] for t in targets if t["note"].startswith("issue target")),
+    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
