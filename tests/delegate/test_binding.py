@@ -245,3 +245,18 @@ def test_a_surface_locked_by_a_writer_elsewhere_cannot_be_bound(scale_bias, surf
     finally:
         child.kill()
         child.communicate()
+
+
+def test_dlpack_views_of_bound_surfaces_are_used_in_place(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    src.array()[:] = 2
+    x = torch.from_dlpack(frame(src))  # a torch tensor over the surface's memory
+    y = torch.from_dlpack(frame(dst))
+    assert x.data_ptr() == src.base_address and y.data_ptr() == dst.base_address
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        forward.execute([x], outputs=[y])
+        assert forward.last_copy_stats.copied == 0
+    assert (y == 5).all()
