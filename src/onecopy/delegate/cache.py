@@ -3,7 +3,7 @@
 Layout of a cache directory (format version in the path, so a new format never reads an old one):
 
     <dir>/v1/entries/<key>/module.vmfb   the specialized module, memory-mapped on restore
-    <dir>/v1/entries/<key>/encoded.bin   the weights encoded (packed) for this machine, page-aligned, mapped
+    <dir>/v1/entries/<key>/encoded.bin   the weights encoded (packed) for this machine, each distinct page once
     <dir>/v1/entries/<key>/entry.json    sizes, checksums and what it was built from
     <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
     <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from onecopy.delegate.cache_index import CacheIndex, EntryInfo
+from onecopy.delegate.page_map import map_pages, write_pages
 from onecopy.errors import DelegateError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -74,7 +75,6 @@ _TMP_MAX_AGE_S = 24 * 3600
 _MODULE = "module.vmfb"
 _ENCODED = "encoded.bin"
 _META = "entry.json"
-_PAGE = 4096
 
 
 def default_cache_dir() -> Path:
@@ -129,17 +129,23 @@ class CacheEntry:
         self._fd: int | None = fd
         self._maps = maps
         self._encoded = encoded
+        self._encoded_views: dict[str, memoryview] | None = None
 
     def module(self) -> memoryview:
         """The specialized module's bytes, in place (page cache), for `VmModule.wrap_buffer`."""
         return memoryview(self._maps[_MODULE])
 
     def encoded(self) -> dict[str, memoryview]:
-        """The encoded parameters (scope `encoded`), each a view into the mapped encoded.bin."""
-        if not self._encoded:
-            return {}
-        view = memoryview(self._maps[_ENCODED])
-        return {e["name"]: view[e["offset"] : e["offset"] + e["size"]] for e in self._encoded}
+        """The encoded parameters (scope `encoded`), each rebuilt from encoded.bin's distinct pages."""
+        if self._encoded_views is None:
+            self._encoded_views = {}
+            if self._encoded:
+                fd = os.open(self.path.parent / _ENCODED, os.O_RDONLY)
+                try:
+                    self._encoded_views = {e["name"]: map_pages(fd, e) for e in self._encoded}
+                finally:
+                    os.close(fd)  # the mappings hold the file; the descriptor is not needed
+        return self._encoded_views
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -312,15 +318,8 @@ class SpecializationCache:
     def _publish(self, key: str, result: "Specialization", **info: str) -> None:
         staging = Path(tempfile.mkdtemp(prefix=f"{key[:16]}.", dir=self.tmp))
         try:
-            encoded, offset = [], 0
-            with open(staging / _ENCODED, "wb") as f:
-                for name, array in result.encoded.items():
-                    offset = (offset + _PAGE - 1) // _PAGE * _PAGE  # each parameter page-aligned for mapping
-                    f.seek(offset)
-                    f.write(memoryview(array).cast("B"))
-                    encoded.append({"name": name, "offset": offset, "size": array.nbytes})
-                    offset += array.nbytes
-                f.truncate(offset)
+            with open(staging / _ENCODED, "w+b") as f:
+                encoded = write_pages(f, result.encoded)  # each distinct page once
                 f.flush()
                 os.fsync(f.fileno())
             with open(staging / _MODULE, "wb") as f:
