@@ -4,7 +4,7 @@ import torch
 
 import onecopy.export.lowering as lowering
 from onecopy import Runtime
-from onecopy.errors import ExecutionError, ExportError
+from onecopy.errors import ExecutionError, ExportError, InvalidArgument
 from onecopy.export import CompileSpec, Partitioner, export_program
 from onecopy.models import builtin_methods
 from onecopy.program import read_program
@@ -160,3 +160,15 @@ def test_dynamic_input_of_a_size_outside_its_range_is_refused(rng):
         forward = loaded.load_method("forward")
         with pytest.raises(ExecutionError, match=r"Input 0 of method 'forward' has size 65 at dimension 1 \('s\d+'\), outside its exported range \[2, 64\]"):
             forward.execute([rng.standard_normal((1, 65, 64), dtype=np.float32)])
+
+
+def test_enumerated_shapes_for_one_method_are_refused_with_the_alternatives(small_methods):
+    with pytest.raises(InvalidArgument, match=r"Method 'forward' was given 2 exported programs \(enumerated shapes\).*export each shape as a method of its own.*torch.export.Dim"):
+        export_program({"forward": [small_methods["forward"], small_methods["prefill"]]}, partitioner=MF)
+
+
+def test_a_shape_the_method_was_not_exported_for_is_refused(small_methods, rng):
+    program = export_program(small_methods, partitioner=MF)
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        with pytest.raises(ExecutionError, match=r"Input 0 of method 'forward' has shape \[4, 64\]; expected \[1, 64\]"):
+            loaded.load_method("forward").execute([rng.standard_normal((4, 64), dtype=np.float32)])

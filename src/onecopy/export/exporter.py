@@ -182,6 +182,13 @@ def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
     for name, ep in methods.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise InvalidArgument(f"Method name {name!r} must be a Python identifier, e.g. 'forward'.")
+        if isinstance(ep, (list, tuple)) and ep and all(isinstance(e, ExportedProgram) for e in ep):
+            raise InvalidArgument(
+                f"Method '{name}' was given {len(ep)} exported programs (enumerated shapes). A method has one "
+                f"signature: export each shape as a method of its own (e.g. '{name}_1', '{name}_16': with "
+                "multifunction they share one module and one copy of the weights), or make the dimension dynamic "
+                "with torch.export.Dim."
+            )
         if not isinstance(ep, ExportedProgram):
             raise InvalidArgument(
                 f"Method '{name}' must be a torch.export.ExportedProgram, got {type(ep).__name__}; "
