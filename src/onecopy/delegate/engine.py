@@ -202,6 +202,9 @@ class LoadedModel:
             keepalive.close()
 
 
+_element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, looked up once
+
+
 def _data_pointer(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
@@ -231,7 +234,11 @@ class EngineFunction:
         self.bindings = {**self.bindings, binding.base_address: binding}
 
     def _copy_in(self, array: np.ndarray) -> Any:
-        element_type = self._rt.array_interop.map_dtype_to_element_type(array.dtype)
+        element_type = _element_types.get(array.dtype)
+        if element_type is None:
+            element_type = self._rt.array_interop.map_dtype_to_element_type(array.dtype)
+            if element_type is not None:
+                _element_types[array.dtype] = element_type
         if element_type is None:
             raise ExecutionError(f"{self.model.where}: dtype {array.dtype} cannot be passed to the engine.")
         device = self.model.device
@@ -286,17 +293,16 @@ class EngineFunction:
                     staged.append((i, view))
 
         results = rt.VmVariantList(max(len(outputs), 1))
-        with contextlib.ExitStack() as stack:
-            # Hold the bound surfaces for the call: readers share, the surface written in place is exclusive
-            # (its generation moves on). Taken in name order so two processes never wait on each other in a cycle.
-            for name in sorted(locked):
-                surface, readonly = locked[name]
-                stack.enter_context(surface.lock(readonly=readonly))
-            with self.model.context() as context:
-                try:
-                    context.invoke(self._vm_function, args, results)
-                except RuntimeError as e:
-                    raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
+        if locked:
+            with contextlib.ExitStack() as stack:
+                # Hold the bound surfaces for the call: readers share, the surface written in place is exclusive
+                # (its generation moves on). Taken in name order so two processes never wait in a cycle.
+                for name in sorted(locked):
+                    surface, readonly = locked[name]
+                    stack.enter_context(surface.lock(readonly=readonly))
+                self._invoke(args, results)
+        else:
+            self._invoke(args, results)
 
         if in_place:
             for i, view in staged:
@@ -308,6 +314,13 @@ class EngineFunction:
                 out_bindings[i].check_open(f"output {i}")  # type: ignore[union-attr]
             produced.append(self._copy_out(results.get_as_object(i, rt.HalBufferView), out, stats))
         return produced
+
+    def _invoke(self, args: Any, results: Any) -> None:
+        with self.model.context() as context:
+            try:
+                context.invoke(self._vm_function, args, results)
+            except RuntimeError as e:
+                raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
 
     def _copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
         rt = self._rt
