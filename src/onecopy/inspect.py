@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from onecopy.program import DelegateCall, HostOp, LoadedProgramFile, ProgramDef
+from onecopy.program import DelegateCall, HostOp, LoadedProgramFile
 
 __all__ = ["BundleSummary", "ProgramSummary", "summarize"]
 
@@ -28,15 +28,9 @@ class ProgramSummary:
     methods: list[dict]
 
 
-def _segment_sizes(definition: ProgramDef) -> tuple[dict[str, int], dict[str, tuple[int, str]]]:
-    sizes = {s.key: s.length for s in definition.segments}
-    unique = {s.key: (s.length, s.sha256) for s in definition.segments}
-    return sizes, unique
-
-
 def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
     definition = loaded.definition
-    sizes, unique = _segment_sizes(definition)
+    sizes = {s.key: s.length for s in definition.segments}
     bundles: dict[str, BundleSummary] = {}
     for index, delegate in enumerate(definition.delegates):
         manifest = delegate.manifest
@@ -54,10 +48,10 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
             bundles[export_hash] = bundle
         bundle.functions.append(str(manifest.get("function")))
         bundle.delegates.append(index)
-    kinds = {}
-    for key, (length, digest) in unique.items():
-        kind = "code" if key.startswith("bundle/") else "parameters"
-        kinds.setdefault(kind, {})[digest] = length
+    kinds: dict[str, dict[str, int]] = {}  # kind -> content hash -> bytes: each distinct blob counted once
+    for segment in definition.segments:
+        kind = "code" if segment.key.startswith("bundle/") else "parameters"
+        kinds.setdefault(kind, {})[segment.sha256] = segment.length
     methods = []
     for method in definition.methods:
         methods.append(
