@@ -234,13 +234,7 @@ class EngineFunction:
         self.bindings = {**self.bindings, binding.base_address: binding}
 
     def _copy_in(self, array: np.ndarray) -> Any:
-        element_type = _element_types.get(array.dtype)
-        if element_type is None:
-            element_type = self._rt.array_interop.map_dtype_to_element_type(array.dtype)
-            if element_type is not None:
-                _element_types[array.dtype] = element_type
-        if element_type is None:
-            raise ExecutionError(f"{self.model.where}: dtype {array.dtype} cannot be passed to the engine.")
+        element_type = self._element_type(array.dtype)
         device = self.model.device
         # Strided (e.g. padded surface rows) arrays are gathered densely here: the engine only takes dense views.
         return device.allocator.allocate_buffer_copy(
@@ -288,7 +282,7 @@ class EngineFunction:
                     stats.in_place_out += out.nbytes  # type: ignore[union-attr]
                     locked[binding.surface.name] = (binding.surface, False)
                 else:
-                    view = self._copy_in(np.empty(out.shape, out.dtype))  # type: ignore[union-attr]
+                    view = self._allocate(out.shape, out.dtype)  # type: ignore[union-attr]
                     args.push_ref(view)
                     staged.append((i, view))
 
@@ -314,6 +308,23 @@ class EngineFunction:
                 out_bindings[i].check_open(f"output {i}")  # type: ignore[union-attr]
             produced.append(self._copy_out(results.get_as_object(i, rt.HalBufferView), out, stats))
         return produced
+
+    def _element_type(self, dtype: np.dtype) -> Any:
+        element_type = _element_types.get(dtype)
+        if element_type is None:
+            element_type = self._rt.array_interop.map_dtype_to_element_type(dtype)
+            if element_type is None:
+                raise ExecutionError(f"{self.model.where}: dtype {dtype} cannot be passed to the engine.")
+            _element_types[dtype] = element_type
+        return element_type
+
+    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An engine buffer for an output written in place and copied out after: allocated, never filled."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buffer = self.model.device.allocator.allocate_buffer(
+            memory_type=self._memory_type, allowed_usage=self._usage, allocation_size=max(nbytes, 1)
+        )
+        return self._rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
 
     def _invoke(self, args: Any, results: Any) -> None:
         with self.model.context() as context:
