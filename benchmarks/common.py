@@ -527,7 +527,8 @@ class RawIree:
 
     It loads what onecopy's cache entry holds, the way onecopy's engine does: `module.vmfb` (memory-mapped), the
     program's parameters as in-place buffers of a ParameterIndex (scope `model`) and, when the specialization
-    encoded (packed) the weights for this CPU, `encoded.bin` as a second provider (scope `encoded`). It calls
+    encoded (packed) the weights for this CPU, `encoded.bin` as a second provider (scope `encoded`; either layout
+    of entry.json: a byte range per parameter, or page-deduplicated runs). It calls
     `function` with a VmVariantList and VmContext.invoke: the input copied into a device buffer, the output mapped
     and copied into a new numpy array (the same work per call as onecopy's engine). It has its own VmInstance
     and local-task device unless `device` is given.
@@ -536,12 +537,11 @@ class RawIree:
     name = "raw IREE"
 
     def __init__(self, entry_dir: Path, program_path: Path, function: str, *, device: Any = None):
-        import mmap
-
         import iree.runtime as rt
         import numpy as np
 
-        from onecopy.program import read_program  # the file format reader only: to find the parameter bytes
+        # the file format reader only: to find the parameter bytes
+        from onecopy.program import read_program
 
         self._rt, self._np = rt, np
         self._program = read_program(program_path)
@@ -556,12 +556,9 @@ class RawIree:
         self.encoded_parameters = len(meta.get("encoded") or [])
         self._maps = []
         if meta.get("encoded"):
-            with open(entry_dir / "encoded.bin", "rb") as f:
-                self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            view = memoryview(self._maps[0])
             encoded = rt.ParameterIndex()
             for e in meta["encoded"]:
-                encoded.add_buffer(e["name"], view[e["offset"]: e["offset"] + e["size"]])
+                encoded.add_buffer(e["name"], self._encoded_view(entry_dir / "encoded.bin", e))
             providers.append(encoded.create_provider(scope=ENCODED_SCOPE))
         self.module = rt.VmModule.mmap(self.instance, str(entry_dir / "module.vmfb"))
         self.context = rt.VmContext(self.instance, modules=[
@@ -576,6 +573,30 @@ class RawIree:
         self._usage = rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING
         self._f32 = rt.HalElementType.FLOAT_32
 
+    def _encoded_view(self, path: Path, e: Mapping[str, Any]) -> Any:
+        """One encoded parameter of the cache entry, laid out as its entry.json describes: a byte range
+        (`offset`, `size`) of encoded.bin, or (the page-deduplicated layout) `runs` of (virtual page, file page,
+        count), rebuilt in one address range with onecopy's own page mapper (the same pages the engine maps)."""
+        import mmap
+
+        if "offset" in e:
+            if not self._maps:
+                with open(path, "rb") as f:
+                    self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            return memoryview(self._maps[0])[e["offset"]: e["offset"] + e["size"]]
+        if "runs" in e:
+            # onecopy's page mapper, at load only: nothing of onecopy runs per call
+            from onecopy.delegate.page_map import map_pages
+
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                view = map_pages(fd, e)
+            finally:
+                os.close(fd)
+            self._maps.append(view)
+            return view
+        raise RuntimeError(f"{path}: unknown layout of encoded parameter {e.get('name')!r}: {sorted(e)}")
+
     def __call__(self, x):
         rt, np = self._rt, self._np
         device = self.device
@@ -587,6 +608,58 @@ class RawIree:
         self.context.invoke(self.function, args, results)
         view = results.get_as_object(0, rt.HalBufferView)
         return np.array(view.map().asarray(tuple(view.shape), np.dtype(np.float32)), copy=True)
+
+
+class RawIreeInPlace(RawIree):
+    """Pure engine compute of a destination-passing function (manifest `outputs_in_place`: the outputs are
+    trailing arguments, written in place; the function returns a 0-d tensor): the same module as onecopy's cache
+    entry, its arguments imported ONCE from the caller's arrays (`import_host_allocation`, no copy) and pushed
+    into one argument list, so a call is `VmContext.invoke` and nothing else. `bind(inputs, outputs)` first."""
+
+    name = "pure engine compute"
+
+    def bind(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+        rt = self._rt
+        memory_type = rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE
+        usage = rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING
+        args = rt.VmVariantList(len(inputs) + len(outputs))
+        self._held = [*inputs, *outputs]  # the imported buffers point into these arrays: keep them alive
+        for array in self._held:
+            if not array.flags.c_contiguous:
+                raise ValueError("RawIreeInPlace imports dense arrays only")
+            buffer = self.device.allocator.import_host_allocation(array, memory_type=memory_type,
+                                                                  allowed_usage=usage)
+            # The constructor, not HalBuffer.create_view (which computes a wrong size for fp16).
+            args.push_ref(rt.HalBufferView(buffer, list(array.shape),
+                                           rt.array_interop.map_dtype_to_element_type(array.dtype)))
+        self._args = args
+
+    def __call__(self, *_: Any) -> None:
+        rt = self._rt
+        self.context.invoke(self.function, self._args, rt.VmVariantList(1))
+
+
+# -- memory of processes ---------------------------------------------------------------------------------------
+
+SMAPS_FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem", "Shared_Clean", "Shared_Dirty", "Private_Clean",
+                "Private_Dirty", "Anonymous")
+
+
+def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
+    """Memory of a process from /proc/<pid>/smaps_rollup, in bytes: Rss, Pss (each page divided by the number of
+    mappings of it, so memory shared by processes (or mapped twice) counts once in total), Pss_Anon/File/Shmem,
+    Shared/Private Clean/Dirty, Anonymous."""
+    found: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB" and parts[0].rstrip(":") in SMAPS_FIELDS:
+                found[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return found
+
+
+def mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
 
 
 def max_abs_diff(a, b) -> float:
