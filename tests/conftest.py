@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from onecopy.export import CompileSpec, Partitioner, export_program
+from onecopy.export import CompileSpec, export_program
 from onecopy.models import attention_block, builtin_methods, builtin_model
 from onecopy.program import ProgramFile
 

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from onecopy import Runtime
 from onecopy.cli import main as cli
 from onecopy.delegate.cache import open_cache
 from onecopy.errors import DelegateError, InvalidArgument
-from onecopy.export import CompileSpec, Partitioner, export_program
+from onecopy.export import Partitioner, export_program
 from onecopy.models import builtin_methods, builtin_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,6 @@ from onecopy import Runtime
 from onecopy.errors import ExecutionError, ExportError, InvalidArgument
 from onecopy.export import CompileSpec, Partitioner, export_program
 from onecopy.models import builtin_methods
-from onecopy.program import read_program
 from tests.conftest import PACKAGINGS, AttentionBlock, eager
 
 MF = Partitioner(multifunction=True)
