@@ -1,9 +1,14 @@
 import gc
 import os
+import weakref
 
 import numpy as np
 
 from onecopy.delegate.page_map import PAGE, map_pages, write_pages
+
+
+class Owner:
+    """Stands for the cache entry whose collection unmaps the range."""
 
 
 def test_duplicate_pages_are_stored_once_and_mapped_back_exactly(tmp_path):
@@ -15,9 +20,10 @@ def test_duplicate_pages_are_stored_once_and_mapped_back_exactly(tmp_path):
     with open(path, "w+b") as f:
         layout = write_pages(f, {"parameter0": packed})
     assert path.stat().st_size == 6 * PAGE  # a, b, and the partial last page of b (zero-padded)
+    owner = Owner()
     fd = os.open(path, os.O_RDONLY)
     try:
-        view = map_pages(fd, layout[0])
+        view = map_pages(fd, layout[0], owner)
     finally:
         os.close(fd)
     assert view.nbytes == packed.nbytes
@@ -25,15 +31,21 @@ def test_duplicate_pages_are_stored_once_and_mapped_back_exactly(tmp_path):
     assert view.readonly
 
 
-def test_mapping_outlives_the_file_descriptor_and_goes_with_its_last_view(tmp_path):
+def test_mapping_outlives_the_file_descriptor_and_goes_with_its_owner(tmp_path):
     data = np.arange(4 * PAGE, dtype=np.uint8)
     path = tmp_path / "encoded.bin"
     with open(path, "w+b") as f:
         layout = write_pages(f, {"p": np.concatenate([data, data])})
+    owner = Owner()
+    unmapped = []
+    weakref.finalize(owner, unmapped.append, True)
     fd = os.open(path, os.O_RDONLY)
-    view = map_pages(fd, layout[0])
+    view = map_pages(fd, layout[0], owner)
     os.close(fd)
     array = np.frombuffer(view, np.uint8)
     del view
     gc.collect()
     assert np.array_equal(array[: data.nbytes], data) and np.array_equal(array[data.nbytes :], data)
+    del array, owner
+    gc.collect()
+    assert unmapped == [True]  # the range goes with its owner, from Python

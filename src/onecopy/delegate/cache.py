@@ -142,7 +142,7 @@ class CacheEntry:
             if self._encoded:
                 fd = os.open(self.path.parent / _ENCODED, os.O_RDONLY)
                 try:
-                    self._encoded_views = {e["name"]: map_pages(fd, e) for e in self._encoded}
+                    self._encoded_views = {e["name"]: map_pages(fd, e, owner=self) for e in self._encoded}
                 finally:
                     os.close(fd)  # the mappings hold the file; the descriptor is not needed
         return self._encoded_views

@@ -197,7 +197,9 @@ class LoadedModel:
             self._pool.clear()
         self._modules = []
         self.module = None
-        keepalive, self._keepalive = self._keepalive, None
+        # The cache entry's lock is released now; the entry itself (its mappings) stays referenced until this
+        # model is collected, so no engine object can outlive the memory it reads.
+        keepalive = self._keepalive
         if keepalive is not None and hasattr(keepalive, "close"):
             keepalive.close()
 

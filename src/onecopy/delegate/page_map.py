@@ -7,7 +7,7 @@ rebuilt from the file's pages with fixed mappings (the same file page mapped at 
 the module sees its layout while memory and disk hold one copy (PSS counts the shared pages once).
 
     write_pages(out, arrays) -> layout      # unique pages to `out`, runs of (virtual page, file page, count)
-    map_pages(fd, layout entry) -> memoryview   # read-only view of the rebuilt range; unmapped with its last user
+    map_pages(fd, layout entry, owner) -> memoryview   # read-only view of the rebuilt range; unmapped with owner
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def write_pages(out: BinaryIO, arrays: dict[str, np.ndarray]) -> list[dict]:
     return layout
 
 
-def map_pages(fd: int, entry: dict) -> memoryview:
+def map_pages(fd: int, entry: dict, owner: object) -> memoryview:
     """The array described by `entry`, rebuilt in one address range from the file's pages, read-only.
 
-    The range is unmapped when the last view of it goes (not before: the engine may hold one)."""
+    The range is unmapped when `owner` is collected, by Python, never from the engine's buffer release: IREE may
+    drop its reference to a buffer on a worker thread without the GIL, where no Python code may run. The owner
+    must therefore outlive every engine object that reads the range (the cache entry, held by the model)."""
     size = int(entry["size"])
     span = max((size + PAGE - 1) // PAGE, 1) * PAGE
     libc = _c()
@@ -100,7 +102,7 @@ def map_pages(fd: int, entry: dict) -> memoryview:
         log.warning("cache: mapping encoded weights page by page failed (%s); reading them into memory", e)
         return _copy_pages(fd, entry)
     region = (ctypes.c_ubyte * span).from_address(base)
-    weakref.finalize(region, libc.munmap, base, span)
+    weakref.finalize(owner, libc.munmap, base, span)
     # Read-only view: the pages are mapped PROT_READ, so a write through a writable view would fault.
     return memoryview(region).cast("B")[:size].toreadonly()
 
