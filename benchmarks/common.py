@@ -673,3 +673,22 @@ def run_script(script: str, args: Sequence[str] = (), *, env: Mapping[str, str] 
     """Run benchmarks/<script> in a fresh interpreter (the same Python)."""
     return subprocess.run([sys.executable, str(Path(__file__).resolve().parent / script), *args],
                           env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def collect_load_states() -> list[str]:
+    """Load states ('specialized' / 'restored') from onecopy's log, one per delegate load."""
+    import logging
+
+    states: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            for state in ("specialized", "restored"):
+                if f" {state} " in message:
+                    states.append(state)
+
+    logger = logging.getLogger("onecopy")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Collect())
+    return states

@@ -38,7 +38,6 @@ TARGET_RATIO = 200.0
 def child(program: str, cache_dir: str) -> None:
     """One fresh process: imports, then time to the first result of `forward`. Prints one JSON line."""
     t0 = _T0
-    import logging
 
     import numpy as np
 
@@ -51,18 +50,7 @@ def child(program: str, cache_dir: str) -> None:
 
     t_iree = time.perf_counter()
 
-    states: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            for state in ("specialized", "restored"):
-                if f" {state} " in message:
-                    states.append(state)
-
-    logger = logging.getLogger("onecopy")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
+    states = common.collect_load_states()
     x = np.ones((1, 1024), np.float32)
     compiler_before = "iree.compiler" in sys.modules
     t1 = time.perf_counter()

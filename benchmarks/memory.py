@@ -62,25 +62,6 @@ def _inputs():
     return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in EXAMPLES.items()}
 
 
-def _collect_states() -> list[str]:
-    """Load states ('specialized' / 'restored') from onecopy's log, one per delegate load."""
-    import logging
-
-    states: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            for state in ("specialized", "restored"):
-                if f" {state} " in message:
-                    states.append(state)
-
-    logger = logging.getLogger("onecopy")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
-    return states
-
-
 def _engine_models(programs) -> dict:
     """How many distinct loaded engine models (and VM contexts) the programs' delegates hold. Diagnostic only:
     it reads private attributes and says None where they are gone."""
@@ -95,7 +76,7 @@ def child_warm(path: str, cache_dir: str) -> None:
     """Fill the cache: load once (specializes), run both methods."""
     import onecopy
 
-    states = _collect_states()
+    states = common.collect_load_states()
     with onecopy.Runtime(cache_dir=cache_dir).load_program(path) as program:
         for name, x in _inputs().items():
             program.load_method(name).execute([x])
@@ -111,7 +92,7 @@ def child_growth(path: str, cache_dir: str, k: int, share: bool) -> None:
     import onecopy
     import onecopy.delegate.backend  # imported on first load otherwise: an import, not a load
 
-    states = _collect_states()
+    states = common.collect_load_states()
     runtime = onecopy.Runtime(cache_dir=cache_dir)
     options = {"IreeBackend": {"share_multifunction_model": share}}
     inputs = _inputs()
@@ -182,7 +163,7 @@ def child_concurrency(path: str, cache_dir: str, window_s: float, rounds: int, l
     import onecopy
     import onecopy.delegate.backend  # imported on first load otherwise: an import, not a load
 
-    states = _collect_states()
+    states = common.collect_load_states()
     runtime = onecopy.Runtime(cache_dir=cache_dir)
     shared = [runtime.load_program(path, backend_options={"IreeBackend": {"share_multifunction_model": True}})
               for _ in range(2)]
@@ -252,7 +233,7 @@ def child_hold(path: str, cache_dir: str) -> None:
     import onecopy.delegate.backend  # imported on first load otherwise: an import, not a load
 
     _stage("imported")
-    states = _collect_states()
+    states = common.collect_load_states()
     program = onecopy.Runtime(cache_dir=cache_dir).load_program(
         path, backend_options={"IreeBackend": {"share_multifunction_model": True}})
     checksum = 0.0
