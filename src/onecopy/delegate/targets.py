@@ -156,6 +156,7 @@ def compiler_flags(target: Target, *, for_host: bool, data_tiling: bool = True) 
     return flags
 
 
+@functools.lru_cache(maxsize=None)
 def host_features(target: Target) -> str:
     """What `--iree-llvmcpu-target-cpu=host` compiles for: the CPU model and its feature flags. Part of the cache
     key, so a cache directory shared by different machines never restores code built for another CPU."""
