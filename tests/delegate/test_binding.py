@@ -164,7 +164,7 @@ def test_two_models_chained_through_one_surface_copy_nothing(scale_bias, add_one
 
 def test_a_frame_written_by_another_process_is_run_in_place(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
-    result = subprocess.run([sys.executable, "-m", "tests.surface_child", "write", src.name, "4"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "tests.surface.surface_child", "write", src.name, "4"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     with Runtime().load_program(scale_bias) as program:
@@ -235,7 +235,7 @@ def test_binding_a_closed_or_foreign_object_is_refused(scale_bias, surfaces):
 
 def test_a_surface_locked_by_a_writer_elsewhere_cannot_be_bound(scale_bias, surfaces):
     surface = surfaces(64, 32)
-    child = subprocess.Popen([sys.executable, "-m", "tests.surface_child", "hold", surface.name, "write"], cwd=ROOT,
+    child = subprocess.Popen([sys.executable, "-m", "tests.surface.surface_child", "hold", surface.name, "write"], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "locked"

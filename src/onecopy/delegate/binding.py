@@ -44,9 +44,8 @@ class SurfaceBinding:
         self.dense = surface.dense
         # Hold a view: it keeps the mapping alive for the engine even if the surface is closed meanwhile.
         self._array = surface.array(include_padding=True) if self.dense else surface.array()
-        self._lock = threading.Lock()
-        self._view: Any = None
-        self._view_key: tuple | None = None
+        self._lock = threading.Lock()  # serializes remakes; readers take `_cached` without it
+        self._cached: tuple[tuple, Any] | None = None
         self.views_made = 0
 
     def check_open(self, what: str) -> None:
@@ -58,9 +57,15 @@ class SurfaceBinding:
 
     def buffer_view(self, device: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> Any:
         """The engine's view of this surface as an argument of `shape`/`dtype`, made once per shape."""
+        self.check_open(what)
+        cached = self._cached  # (key, view), swapped whole, so a concurrent remake is never seen half-done
+        if cached is not None and cached[0] == (shape, dtype):
+            return cached[1]
+        return self._remake(device, shape, dtype, what)
+
+    def _remake(self, device: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> Any:
         import iree.runtime as ireert
 
-        self.check_open(what)
         surface = self.surface
         if dtype != surface.dtype:
             raise ExecutionError(
@@ -75,7 +80,8 @@ class SurfaceBinding:
             )
         key = (tuple(shape), dtype)
         with self._lock:
-            if self._view_key != key:
+            cached = self._cached
+            if cached is None or cached[0] != key:
                 element_type = ireert.array_interop.map_dtype_to_element_type(dtype)
                 buffer = device.allocator.import_host_allocation(
                     self._array,
@@ -83,7 +89,7 @@ class SurfaceBinding:
                     allowed_usage=ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING,
                 )
                 # The constructor, not HalBuffer.create_view: the latter computes a wrong size for fp16.
-                self._view = ireert.HalBufferView(buffer, list(shape), element_type)
-                self._view_key = key
+                cached = (key, ireert.HalBufferView(buffer, list(shape), element_type))
+                self._cached = cached
                 self.views_made += 1
-            return self._view
+            return cached[1]

@@ -22,83 +22,42 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import mmap
 import os
-import re
 import secrets
 import stat
-import struct
-import threading
-import time
 import weakref
-from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from onecopy.errors import InvalidArgument, OnecopyError
+from onecopy.surface.header import (
+    CODES,
+    DATA_OFFSET,
+    FLAG_UNLINKED,
+    FLAGS_AT,
+    FORMATS,
+    GENERATION_AT,
+    HEADER,
+    HEADER_VERSION,
+    MAGIC,
+    PREFIX,
+    SHM_DIR,
+    U64,
+    check_dimension,
+    check_dtype,
+    check_header,
+    check_name,
+    row_bytes,
+)
+from onecopy.surface.lock import SurfaceLock, closed_error
 
-__all__ = ["Surface", "SHM_DIR", "ROW_ALIGNMENT", "DATA_OFFSET", "HEADER_VERSION", "FORMATS"]
+__all__ = ["Surface"]
 
 logger = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm"
-_PREFIX = "onecopy-"
-ROW_ALIGNMENT = 64  # bytes; every row starts on a cache line
-DATA_OFFSET = 4096  # the data starts on its own page, so base_address is page-aligned
-HEADER_VERSION = 1
-# Format codes stored in the header; never renumber them, other processes read them.
-FORMATS = {1: np.dtype(np.float16), 2: np.dtype(np.float32), 3: np.dtype(np.uint8)}
-_CODES = {dtype: code for code, dtype in FORMATS.items()}
-
-_MAGIC = b"ONECSURF"
-# magic, header version, format, height, width, bytes_per_row, data offset, generation, flags (little-endian)
-_HEADER = struct.Struct("<8sIIQQQQQQ")
-_U64 = struct.Struct("<Q")
-_GENERATION_AT = 48
-_FLAGS_AT = 56
-_FLAG_UNLINKED = 1
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-_MAX_DIMENSION = 2**31 - 1
-_POLL_MAX_S = 0.002  # a lock held by another process is retried at most this far apart
-
-
-def _dimension(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(
-            f"Surface {what} must be a positive int, got {type(value).__name__} {value!r}; pass e.g. {what}=1080."
-        )
-    if not 0 < value <= _MAX_DIMENSION:
-        raise InvalidArgument(f"Surface {what} must be between 1 and {_MAX_DIMENSION}, got {value}.")
-    return int(value)
-
-
-def _dtype(value: Any) -> np.dtype:
-    try:
-        dtype = np.dtype(value)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(
-            f"Surface dtype {value!r} is not a dtype; use 'float16', 'float32' or 'uint8'."
-        ) from e
-    if dtype not in _CODES:
-        raise InvalidArgument(f"Surface dtype {value!r} is not supported; use 'float16', 'float32' or 'uint8'.")
-    return dtype
-
-
-def _name(value: Any) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise InvalidArgument(
-            f"Surface name {value!r} is not valid; use 1 to 128 characters from A-Z a-z 0-9 _ . - (e.g. 'camera0')."
-        )
-    return value
-
-
-def _row_bytes(width: int, dtype: np.dtype) -> int:
-    return -(-width * dtype.itemsize // ROW_ALIGNMENT) * ROW_ALIGNMENT
-
 
 class Surface:
     """A shared-memory buffer of `height` rows of `width` elements, each row padded to 64 bytes.
@@ -126,12 +85,9 @@ class Surface:
         # One class per surface so each exported view holds its own weak-referenceable export of the map.
         self._bytes_type = type("_SurfaceBytes", (ctypes.c_ubyte * self.nbytes,), {"__hash__": object.__hash__})
         self._exports: weakref.WeakSet = weakref.WeakSet()
-        # Guards the in-process lock state below; flock alone cannot, since threads share one file description.
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._reader_threads: Counter[int] = Counter()
-        self._writer_thread: int | None = None
         self._closed = False
+        self._lock = SurfaceLock(_fd, _name, _map, GENERATION_AT)
+        self._cond = self._lock.cond  # also guards `_closed` and the exports
         self._unlinked_here = False
         # A surface dropped without close() still gives its descriptor back; the map goes with the last view.
         self._finalizer = weakref.finalize(self, os.close, _fd)
@@ -144,14 +100,14 @@ class Surface:
             InvalidArgument: a bad height, width, dtype or name, or a surface of that name already exists.
             OnecopyError: the system cannot provide the shared memory (e.g. /dev/shm is full).
         """
-        height = _dimension(height, "height")
-        width = _dimension(width, "width")
-        dtype = _dtype(dtype)
-        name = f"surface-{secrets.token_hex(8)}" if name is None else _name(name)
-        bytes_per_row = _row_bytes(width, dtype)
+        height = check_dimension(height, "height")
+        width = check_dimension(width, "width")
+        dtype = check_dtype(dtype)
+        name = f"surface-{secrets.token_hex(8)}" if name is None else check_name(name)
+        bytes_per_row = row_bytes(width, dtype)
         size = DATA_OFFSET + height * bytes_per_row
-        path = os.path.join(SHM_DIR, _PREFIX + name)
-        header = (_MAGIC, HEADER_VERSION, _CODES[dtype], height, width, bytes_per_row, DATA_OFFSET, 0, 0)
+        path = os.path.join(SHM_DIR, PREFIX + name)
+        header = (MAGIC, HEADER_VERSION, CODES[dtype], height, width, bytes_per_row, DATA_OFFSET, 0, 0)
         # Build the whole surface under a private name and link it into place: an opener never sees a half-written
         # header, and link() fails if the name exists, with no window between the check and the creation.
         temporary = os.path.join(SHM_DIR, f".onecopy-tmp-{os.getpid()}-{secrets.token_hex(6)}")
@@ -162,7 +118,7 @@ class Surface:
         try:
             # Reserve the pages now: on a full tmpfs a sparse file would kill us with SIGBUS on first write.
             os.posix_fallocate(fd, 0, size)
-            os.pwrite(fd, _HEADER.pack(*header), 0)
+            os.pwrite(fd, HEADER.pack(*header), 0)
             st = os.fstat(fd)
             os.link(temporary, path)
         except FileExistsError as e:
@@ -186,11 +142,11 @@ class Surface:
         Raises:
             InvalidArgument: no surface has that name, or its file is not a valid surface.
         """
-        return cls._from_path(_name(name), created=None)
+        return cls._from_path(check_name(name), created=None)
 
     @classmethod
     def _from_path(cls, name: str, created: tuple[int, int] | None) -> Surface:
-        path = os.path.join(SHM_DIR, _PREFIX + name)
+        path = os.path.join(SHM_DIR, PREFIX + name)
         where = f"Surface '{name}' ({path})"
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -208,14 +164,14 @@ class Surface:
                 raise OnecopyError(f"{where} was replaced by another process while it was being created.")
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidArgument(f"{where} is not a regular file; unlink it or pick another name.")
-            if st.st_size < _HEADER.size:
+            if st.st_size < HEADER.size:
                 raise InvalidArgument(
                     f"{where} holds {st.st_size} bytes, too few for a surface header; unlink it or pick another name."
                 )
             surface_map = mmap.mmap(fd, st.st_size)
             try:
-                header = _HEADER.unpack_from(surface_map, 0)
-                _check_header(header, st.st_size, where)
+                header = HEADER.unpack_from(surface_map, 0)
+                check_header(header, st.st_size, where)
             except BaseException:
                 surface_map.close()
                 raise
@@ -231,7 +187,7 @@ class Surface:
     @property
     def path(self) -> str:
         """The backing file: /dev/shm/onecopy-<name>."""
-        return os.path.join(SHM_DIR, _PREFIX + self._name)
+        return os.path.join(SHM_DIR, PREFIX + self._name)
 
     @property
     def height(self) -> int:
@@ -283,13 +239,13 @@ class Surface:
     def generation(self) -> int:
         """How many writable locks were released, by any process. Read it under a lock for a settled value."""
         self._check_open("generation")
-        return _U64.unpack_from(self._map, _GENERATION_AT)[0]
+        return U64.unpack_from(self._map, GENERATION_AT)[0]
 
     @property
     def unlinked(self) -> bool:
         """True once any process has unlinked the surface; the memory stays valid for those that have it mapped."""
         self._check_open("unlinked")
-        return bool(_U64.unpack_from(self._map, _FLAGS_AT)[0] & _FLAG_UNLINKED)
+        return bool(U64.unpack_from(self._map, FLAGS_AT)[0] & FLAG_UNLINKED)
 
     def array(self, *, include_padding: bool = False) -> np.ndarray:
         """A writable numpy view of the shared memory, no copy.
@@ -322,81 +278,22 @@ class Surface:
             raise InvalidArgument("Surface.lock: give either blocking=False or timeout=, not both.")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
             raise InvalidArgument(f"Surface.lock: timeout must be a number of seconds >= 0 or None, got {timeout!r}.")
-        self._acquire(readonly, 0.0 if not blocking else timeout)
-        thread = threading.get_ident()
+        self._lock.acquire(readonly, 0.0 if not blocking else timeout)
         try:
             view = self.array()
             if readonly:
                 view.flags.writeable = False
             yield view
         finally:
-            self._release(readonly, thread)
+            self._lock.release(readonly)
 
-    def _acquire(self, readonly: bool, timeout: float | None) -> None:
-        thread = threading.get_ident()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poll = 0.0001
-        with self._cond:
-            self._check_open("lock()")
-            # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
-            if self._writer_thread == thread or (not readonly and self._reader_threads[thread]):
-                raise InvalidArgument(
-                    f"Surface '{self._name}': this thread already holds a lock on it; a write lock cannot be nested. "
-                    "Leave the outer `with surface.lock()` block first."
-                )
-            while True:
-                self._check_open("lock()")
-                if self._writer_thread is None and readonly and self._readers:
-                    self._take_read(thread)  # this process already holds the shared flock
-                    return
-                if self._writer_thread is None and (readonly or not self._readers):
-                    try:
-                        fcntl.flock(self._fd, (fcntl.LOCK_SH if readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        pass
-                    else:
-                        if readonly:
-                            self._take_read(thread)
-                        else:
-                            self._writer_thread = thread
-                        return
-                # Poll rather than block in flock(): a blocked flock could not honour a timeout, and would keep
-                # this condition held so other threads could neither time out nor close.
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    mode = "read" if readonly else "write"
-                    waited = "without waiting" if timeout == 0 else f"within {timeout:g} s"
-                    raise OnecopyError(
-                        f"Surface '{self._name}' is locked by another process or thread; could not take the {mode} "
-                        f"lock {waited}. Retry later or pass a longer timeout=."
-                    )
-                self._cond.wait(poll if remaining is None else min(poll, remaining))
-                poll = min(poll * 2, _POLL_MAX_S)
+    def acquire(self, readonly: bool = False) -> None:
+        """Take the lock without a view: the cheap half of `lock()` for callers that hold a surface around every
+        call (the engine does, for bound surfaces). Pair it with `release(readonly)` in the same thread."""
+        self._lock.acquire(readonly)
 
-    def _take_read(self, thread: int) -> None:
-        self._readers += 1
-        self._reader_threads[thread] += 1
-
-    def _release(self, readonly: bool, thread: int) -> None:
-        with self._cond:
-            try:
-                if readonly:
-                    self._readers -= 1
-                    self._reader_threads[thread] -= 1
-                    if self._reader_threads[thread] == 0:
-                        del self._reader_threads[thread]
-                    if self._readers == 0:
-                        fcntl.flock(self._fd, fcntl.LOCK_UN)
-                else:
-                    try:
-                        # Still under the exclusive flock, so no other process bumps it at the same time.
-                        generation = _U64.unpack_from(self._map, _GENERATION_AT)[0]
-                        _U64.pack_into(self._map, _GENERATION_AT, (generation + 1) & (2**64 - 1))
-                    finally:
-                        self._writer_thread = None
-                        fcntl.flock(self._fd, fcntl.LOCK_UN)
-            finally:
-                self._cond.notify_all()
+    def release(self, readonly: bool = False) -> None:
+        self._lock.release(readonly)
 
     def close(self) -> None:
         """Stop using the surface in this process. Idempotent; never removes the name (see `unlink`).
@@ -407,14 +304,14 @@ class Surface:
         with self._cond:
             if self._closed:
                 return
-            if self._readers or self._writer_thread is not None:
-                held = "a write lock" if self._writer_thread is not None else f"{self._readers} read lock(s)"
+            held = self._lock.held()
+            if held:
                 raise InvalidArgument(
                     f"Surface '{self._name}' cannot be closed while this process holds {held} on it; "
                     "leave the `with surface.lock()` block first."
                 )
             self._closed = True
-            self._cond.notify_all()  # threads waiting in lock() see the close and raise
+            self._lock.mark_closed()  # threads waiting in lock() wake and raise
             surface_map, self._map = self._map, None
             # Close lazily when views are alive: refusing would make `with Surface.create(...)` raise on exit
             # whenever a frame array outlives it, and unmapping would leave those arrays pointing at freed memory
@@ -445,8 +342,8 @@ class Surface:
         self._unlinked_here = True
         with self._cond:
             if not self._closed:
-                flags = _U64.unpack_from(self._map, _FLAGS_AT)[0]
-                _U64.pack_into(self._map, _FLAGS_AT, flags | _FLAG_UNLINKED)
+                flags = U64.unpack_from(self._map, FLAGS_AT)[0]
+                U64.pack_into(self._map, FLAGS_AT, flags | FLAG_UNLINKED)
 
     def __enter__(self) -> Surface:
         return self
@@ -467,38 +364,4 @@ class Surface:
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise InvalidArgument(
-                f"Surface '{self._name}' is closed; {what} needs an open surface. Open it again with "
-                f"Surface.open('{self._name}')."
-            )
-
-
-def _check_header(header: tuple, size: int, where: str) -> None:
-    magic, version, code, height, width, bytes_per_row, data_offset, _, _ = header
-    fix = "unlink it or pick another name"
-    if magic != _MAGIC:
-        raise InvalidArgument(f"{where} is not a onecopy surface (magic {magic!r}, expected {_MAGIC!r}); {fix}.")
-    if version > HEADER_VERSION or version == 0:
-        raise InvalidArgument(
-            f"{where} has header version {version}; this onecopy reads version {HEADER_VERSION}. Upgrade onecopy."
-        )
-    if code not in FORMATS:
-        known = ", ".join(f"{c} ({d})" for c, d in FORMATS.items())
-        raise InvalidArgument(f"{where} has unknown format code {code}; expected one of {known}. {fix.capitalize()}.")
-    itemsize = FORMATS[code].itemsize
-    if not (0 < height <= _MAX_DIMENSION and 0 < width <= _MAX_DIMENSION):
-        raise InvalidArgument(f"{where} has an invalid size {height}x{width} in its header; {fix}.")
-    if bytes_per_row < width * itemsize or bytes_per_row % ROW_ALIGNMENT:
-        raise InvalidArgument(
-            f"{where} has {bytes_per_row} bytes per row, which does not hold {width} {FORMATS[code]} values padded "
-            f"to {ROW_ALIGNMENT} bytes; {fix}."
-        )
-    if data_offset < _HEADER.size or data_offset % DATA_OFFSET:
-        raise InvalidArgument(
-            f"{where} has data offset {data_offset}, not a multiple of {DATA_OFFSET} past the header; {fix}."
-        )
-    if data_offset + height * bytes_per_row > size:
-        raise InvalidArgument(
-            f"{where}: its header describes {height * bytes_per_row} bytes of data at offset {data_offset}, but the "
-            f"file holds only {size} bytes; {fix}."
-        )
+            raise closed_error(self._name, what)

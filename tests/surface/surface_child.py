@@ -1,7 +1,7 @@
 """A second process for the surface tests: opens a surface by name and writes to it or holds its lock.
 
-    python -m tests.surface_child write NAME VALUE [--no-close]   fill the frame with VALUE under the write lock
-    python -m tests.surface_child hold NAME read|write             take the lock, print "locked", sleep until killed
+    python -m tests.surface.surface_child write NAME VALUE [--no-close]  fill the frame with VALUE, write-locked
+    python -m tests.surface.surface_child hold NAME read|write            lock, print "locked", sleep until killed
 
 `write` prints one line: the generation after its writable unlock. With --no-close it exits without closing the
 surface, as a crashing process would.

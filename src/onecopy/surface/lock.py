@@ -1,0 +1,141 @@
+"""The lock of one surface: readers share it, a writer holds it alone, across threads and processes.
+
+Across processes it is a `flock` on the surface's descriptor (a process that dies drops its locks). Threads of
+one process share that descriptor's open file description, where a second flock would silently convert or drop
+the first; so the process-level lock is taken once, and a condition guards which threads hold it.
+
+`acquire`/`release` are the cheap pair a caller on a hot path uses (the engine locks bound surfaces around every
+call); `Surface.lock()` wraps them in a context manager that also yields the data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import struct
+import threading
+import time
+from collections import Counter
+
+from onecopy.errors import InvalidArgument, OnecopyError
+
+__all__ = ["SurfaceLock", "closed_error"]
+
+_POLL_MAX_S = 0.002  # a lock held by another process is retried at most this far apart
+_U64 = struct.Struct("<Q")
+
+
+def closed_error(name: str, what: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"Surface '{name}' is closed; {what} needs an open surface. Open it again with Surface.open('{name}')."
+    )
+
+
+class SurfaceLock:
+    """Reader/writer lock over the surface file `fd`. A writer's release moves the generation counter at byte
+    `generation_at` of `surface_map` on, under the exclusive flock (so no other process bumps it at once).
+
+    It holds no reference to its `Surface` (a cycle would keep a dropped surface, and its descriptor, alive
+    until the garbage collector runs): the surface calls `mark_closed()` under `cond`, which wakes waiters with
+    an error."""
+
+    def __init__(self, fd: int, name: str, surface_map: mmap.mmap, generation_at: int) -> None:
+        self._fd = fd
+        self._name = name
+        self._map = surface_map
+        self._generation_at = generation_at
+        self.closed = False
+        # Guards the in-process state below; flock alone cannot, since threads share one file description.
+        self.cond = threading.Condition()
+        self._readers = 0
+        self._reader_threads: Counter[int] = Counter()
+        self._writer_thread: int | None = None
+
+    def mark_closed(self) -> None:
+        """The surface is closed: later acquires raise, waiting ones wake and raise. Call under `cond`."""
+        self.closed = True
+        self._map = None  # type: ignore[assignment]
+        self.cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise closed_error(self._name, "lock()")
+
+    def held(self) -> str | None:
+        """What this process holds ("a write lock", "2 read lock(s)"), or None. Call under `cond`."""
+        if self._writer_thread is not None:
+            return "a write lock"
+        return f"{self._readers} read lock(s)" if self._readers else None
+
+    def acquire(self, readonly: bool, timeout: float | None = None) -> None:
+        """Take the lock for the calling thread; `timeout` seconds (0: don't wait) or None (wait for ever)."""
+        thread = threading.get_ident()
+        with self.cond:
+            self._check_open()
+            # Fast path: another thread of this process already holds the shared flock.
+            if readonly and self._readers and self._writer_thread is None:
+                self._reader_threads[thread] += 1
+                self._readers += 1
+                return
+            # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
+            if self._writer_thread == thread or (not readonly and self._reader_threads[thread]):
+                raise InvalidArgument(
+                    f"Surface '{self._name}': this thread already holds a lock on it; a write lock cannot be nested. "
+                    "Leave the outer `with surface.lock()` block first."
+                )
+            deadline = None if timeout is None else time.monotonic() + timeout
+            poll = 0.0001
+            while True:
+                self._check_open()
+                if self._writer_thread is None and readonly and self._readers:
+                    self._take_read(thread)  # this process already holds the shared flock
+                    return
+                if self._writer_thread is None and (readonly or not self._readers):
+                    try:
+                        fcntl.flock(self._fd, (fcntl.LOCK_SH if readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        pass
+                    else:
+                        if readonly:
+                            self._take_read(thread)
+                        else:
+                            self._writer_thread = thread
+                        return
+                # Poll rather than block in flock(): a blocked flock could not honour a timeout, and would keep
+                # this condition held so other threads could neither time out nor close.
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    mode = "read" if readonly else "write"
+                    waited = "without waiting" if timeout == 0 else f"within {timeout:g} s"
+                    raise OnecopyError(
+                        f"Surface '{self._name}' is locked by another process or thread; could not take the {mode} "
+                        f"lock {waited}. Retry later or pass a longer timeout=."
+                    )
+                self.cond.wait(poll if remaining is None else min(poll, remaining))
+                poll = min(poll * 2, _POLL_MAX_S)
+
+    def _take_read(self, thread: int) -> None:
+        self._readers += 1
+        self._reader_threads[thread] += 1
+
+    def release(self, readonly: bool) -> None:
+        """Give back the lock the calling thread took with `acquire(readonly)`."""
+        thread = threading.get_ident()
+        with self.cond:
+            try:
+                if readonly:
+                    self._readers -= 1
+                    self._reader_threads[thread] -= 1
+                    if self._reader_threads[thread] == 0:
+                        del self._reader_threads[thread]
+                    if self._readers == 0:
+                        fcntl.flock(self._fd, fcntl.LOCK_UN)
+                else:
+                    try:
+                        generation = _U64.unpack_from(self._map, self._generation_at)[0]
+                        _U64.pack_into(self._map, self._generation_at, (generation + 1) & (2**64 - 1))
+                    finally:
+                        self._writer_thread = None
+                        fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                self.cond.notify_all()
