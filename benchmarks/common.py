@@ -453,6 +453,33 @@ def write_results(name: str, payload: Mapping[str, Any], *, machine: Mapping[str
     return path
 
 
+class BenchmarkRun:
+    """One run of a benchmark script: its command line, clocks and machine, and the results file it writes.
+
+        run = common.BenchmarkRun("frames", __doc__)   # parses --quick/--output/--wait-quiet, starts the clocks
+        import torch ...                               # the script's heavy imports
+        run.describe_machine()                         # after them: records e.g. torch's thread count
+        run.write({...})                               # benchmarks/results/frames.json (or .quick.json)
+    """
+
+    def __init__(self, name: str, doc: str | None, argv: Sequence[str] | None = None) -> None:
+        self.name = name
+        self.args = parse_args((doc or name).splitlines()[0], argv)
+        self.quick: bool = self.args.quick
+        self.started = time.perf_counter()
+        self.cpu_start = cpu_snapshot()
+        self.machine: dict[str, Any] | None = None
+
+    def describe_machine(self) -> dict[str, Any]:
+        self.machine = machine_info()
+        print_machine(self.machine)
+        return self.machine
+
+    def write(self, payload: Mapping[str, Any]) -> Path:
+        return write_results(self.name, payload, machine=self.machine or machine_info(), quick=self.quick,
+                             started=self.started, output=self.args.output, cpu_start=self.cpu_start)
+
+
 # -- peers -----------------------------------------------------------------------------------------------------
 
 

@@ -35,7 +35,6 @@ import contextlib
 import copy
 import dataclasses
 import sys
-import time
 
 import common
 
@@ -104,18 +103,15 @@ def entry_of(cache_dir, before: set[str]):
 
 
 def main() -> int:
-    args = common.parse_args(__doc__.splitlines()[0])
-    started = time.perf_counter()
-    cpu_start = common.cpu_snapshot()
+    run = common.BenchmarkRun("frames", __doc__)
     import numpy as np
     import torch
 
     from onecopy import Runtime, Surface
     from onecopy.delegate.engine import hal_device
 
-    machine = common.machine_info()
-    common.print_machine(machine)
-    budget, chain_budget = (2.0, 1.0) if args.quick else (20.0, 10.0)
+    run.describe_machine()
+    budget, chain_budget = (2.0, 1.0) if run.quick else (20.0, 10.0)
     frame_bytes = int(np.prod(SHAPE)) * 2
 
     scale_bias, conv = make_models()
@@ -204,7 +200,7 @@ def main() -> int:
         print("max |diff| vs torch fp32: " + ", ".join(f"{n} {d:.3g}" for n, d in diffs.items()))
 
         print(f"\ntiming model A ({len(peers)} peers, about {budget:.0f} s)...", flush=True)
-        stats = common.measure(peers, budget_s=budget, min_rounds=6 if args.quick else 12)
+        stats = common.measure(peers, budget_s=budget, min_rounds=6 if run.quick else 12)
         bound.execute([x_in], outputs=[x_mid])
         zero_copy_after = bound.last_copy_stats.copied == 0
 
@@ -237,7 +233,7 @@ def main() -> int:
         if chain_copies["onecopy bound (A writes S, B reads S)"] != 0:
             raise SystemExit(f"bound pipeline copied bytes: {chain_copies}")
         print(f"timing the A -> B pipeline (about {chain_budget:.0f} s)...", flush=True)
-        chain_stats = common.measure(chain, budget_s=chain_budget, min_rounds=6 if args.quick else 12)
+        chain_stats = common.measure(chain, budget_s=chain_budget, min_rounds=6 if run.quick else 12)
 
     # -- tables
     ms = {name: s.median_ms for name, s in stats.items()}
@@ -275,7 +271,7 @@ def main() -> int:
                       "for information: the same threshold applied to the A -> B pipeline"),
     ]
     common.print_targets(targets)
-    common.write_results("frames", {
+    run.write({
         "what": "median ms per frame, fp16 [1, 3, 1080, 1920], side by side; ratios are onecopy bound's median over "
                 "each peer's",
         "frame": {"shape": list(SHAPE), "dtype": "float16", "bytes": frame_bytes, "surface_rows": ROWS,
@@ -293,7 +289,7 @@ def main() -> int:
                      "bound_minus_pure_ms": cms[bound_name] - cms[raw_name]},
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets if t["note"].startswith("issue target")),
-    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    })
     return 0
 
 

@@ -22,7 +22,6 @@ onecopy/torch eager <= 0.5. The transformer rows are judged against the same thr
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import common
@@ -84,9 +83,7 @@ def describe(label: str, method: str, x) -> str:
 
 
 def main() -> int:
-    args = common.parse_args(__doc__.splitlines()[0])
-    started = time.perf_counter()
-    cpu_start = common.cpu_snapshot()
+    run = common.BenchmarkRun("latency", __doc__)
     import torch  # noqa: F401  (machine_info records its thread count)
 
     from onecopy import Runtime
@@ -95,11 +92,10 @@ def main() -> int:
     from onecopy.inspect import summarize
     from onecopy.program import DelegateCall, read_program
 
-    machine = common.machine_info()
-    common.print_machine(machine)
+    run.describe_machine()
     flags = compiler_flags(host_cpu_target(), for_host=True)
     print(f"IREE compile flags of the specialization: {' '.join(flags)}")
-    budget = 1.5 if args.quick else 10.0
+    budget = 1.5 if run.quick else 10.0
 
     rows, results, targets, programs = [], [], [], []
     with common.temp_workdir("latency") as work, common.isolated_cache(work / "cache") as cache_dir:
@@ -187,7 +183,7 @@ def main() -> int:
     print(f"\nper-call overhead on a tiny model ({overhead['model']}): onecopy {us['onecopy']:.1f} us, "
           f"raw IREE {us['raw IREE']:.1f} us -> onecopy adds {overhead['onecopy_minus_raw_us']:.1f} us")
     common.print_targets(targets)
-    common.write_results("latency", {
+    run.write({
         "what": "median ms per call, side by side; ratios are onecopy's median over each peer's",
         "iree_compile_flags": flags,
         "iree_compile_flags_source": "onecopy.delegate.targets.compiler_flags(host_cpu_target(), for_host=True); "
@@ -198,7 +194,7 @@ def main() -> int:
         "per_call_overhead_tiny_model": overhead,
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets if t["note"].startswith("issue target")),
-    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    })
     return 0
 
 

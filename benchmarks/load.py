@@ -124,15 +124,12 @@ def compile_times(program: Path, repetitions: int) -> dict:
 
 
 def main() -> int:
-    args = common.parse_args(__doc__.splitlines()[0])
-    started = time.perf_counter()
-    cpu_start = common.cpu_snapshot()
+    run = common.BenchmarkRun("load", __doc__)
     from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.models import builtin_methods
 
-    machine = common.machine_info()
-    common.print_machine(machine)
-    reps_cold, reps_warm, reps_compile = (2, 4, 1) if args.quick else (5, 10, 3)
+    run.describe_machine()
+    reps_cold, reps_warm, reps_compile = (2, 4, 1) if run.quick else (5, 10, 3)
 
     with common.temp_workdir("load") as work, common.isolated_cache(work / "unused-cache"):
         program = work / "builtin.onecopy"
@@ -185,7 +182,7 @@ def main() -> int:
                        title=f"compile time per target (MLIR bundle {compiles['_mlir_bundle_bytes']:,} B)")
     targets = [common.target("cold/warm time to first result", ratio, ">=", TARGET_RATIO, "issue target")]
     common.print_targets(targets)
-    common.write_results("load", {
+    run.write({
         "what": "time to the first result of `forward` in fresh processes, cold (empty cache) vs warm (cache "
                 "restore), after imports; and compile time per target",
         "program": {"packaging": "mlir", "multifunction": True, "methods": {"forward": [1, 1024],
@@ -198,7 +195,7 @@ def main() -> int:
         "compile_per_target": compiles,
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets),
-    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    })
     return 0
 
 

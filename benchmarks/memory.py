@@ -354,15 +354,12 @@ def pss_summary(runs: list[dict]) -> dict:
 
 
 def main() -> int:
-    args = common.parse_args(__doc__.splitlines()[0])
-    started = time.perf_counter()
-    cpu_start = common.cpu_snapshot()
+    run = common.BenchmarkRun("memory", __doc__)
     from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.models import builtin_methods
 
-    machine = common.machine_info()
-    common.print_machine(machine)
-    reps_growth, window_s, rounds, latency_budget, reps_pss = (1, 0.4, 2, 1.0, 1) if args.quick else (3, 0.5, 16, 5.0, 3)
+    run.describe_machine()
+    reps_growth, window_s, rounds, latency_budget, reps_pss = (1, 0.4, 2, 1.0, 1) if run.quick else (3, 0.5, 16, 5.0, 3)
 
     with common.temp_workdir("memory") as work, common.isolated_cache(work / "unused-cache"):
         path = work / "builtin.onecopy"
@@ -501,7 +498,7 @@ def main() -> int:
     if CHILD_FAILURES:
         print(f"\n{len(CHILD_FAILURES)} child process(es) failed and were run again; see child_failures in the JSON")
     common.print_targets(targets)
-    common.write_results("memory", {
+    run.write({
         "what": "memory growth of K programs from one file (share off/on); 2-thread throughput on a shared vs "
                 "unshared models; PSS of N processes holding one program. Bytes unless named otherwise.",
         "program": {"packaging": "mlir", "multifunction": True, "methods": {n: list(s) for n, s in EXAMPLES.items()},
@@ -524,7 +521,7 @@ def main() -> int:
         "child_failures": CHILD_FAILURES,
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets if t["note"].startswith("issue target")),
-    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    })
     return 0
 
 

@@ -21,7 +21,6 @@ break changes the file size by at most 1%.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import common
@@ -59,14 +58,11 @@ def measure_program(path: Path) -> dict:
 
 
 def main() -> int:
-    args = common.parse_args(__doc__.splitlines()[0])
-    started = time.perf_counter()
-    cpu_start = common.cpu_snapshot()
+    run = common.BenchmarkRun("size", __doc__)
     from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.models import builtin_methods, builtin_model
 
-    machine = common.machine_info()
-    common.print_machine(machine)
+    run.describe_machine()
     model = builtin_model()
     configs = [
         # (label, methods, multifunction, skip_ops, packaging)
@@ -77,7 +73,7 @@ def main() -> int:
         ("2 methods, default, graph break", METHODS_2, False, GRAPH_BREAK, "mlir"),
         ("2 methods, multifunction, graph break", METHODS_2, True, GRAPH_BREAK, "mlir"),
     ]
-    if not args.quick:
+    if not run.quick:
         configs += [
             ("2 methods, default (vmfb)", METHODS_2, False, (), "vmfb"),
             ("2 methods, multifunction (vmfb)", METHODS_2, True, (), "vmfb"),
@@ -146,7 +142,7 @@ def main() -> int:
         value = abs(ratios[name]["file"] - 1.0)
         targets.append(common.target(f"{name}: |file ratio - 1|", value, "<=", 0.01, "issue target"))
     common.print_targets(targets)
-    common.write_results("size", {
+    run.write({
         "what": "program file bytes of the built-in model per configuration (code = unique bundle bytes, "
                 "parameters = unique parameter segments, other = header and alignment); ratios a/b",
         "parameter_deduplication": "content-addressed named data store in both partitioner modes: equal "
@@ -155,7 +151,7 @@ def main() -> int:
         "ratios": ratios,
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets),
-    }, machine=machine, quick=args.quick, started=started, output=args.output, cpu_start=cpu_start)
+    })
     return 0
 
 
