@@ -1,4 +1,7 @@
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from onecopy.export import Partitioner, export_program
 from tests.conftest import eager
 
 SHARE = {"IreeBackend": {"share_multifunction_model": True}}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +249,12 @@ def test_eight_threads_fifty_runs_each_on_one_shared_model_are_exact(mf_path, sm
         assert 1 < model.contexts_created <= 9  # calls ran side by side, each in a context of its own
         for method, x, expected in cases:
             np.testing.assert_allclose(expected, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_load_run_close_cycles_from_several_threads_never_crash_the_process(mf_path):
+    """Shared models are unloaded (and their weights unmapped) by the last release, which may come from any
+    thread, right after calls on it. A child process does 60 such cycles; a crash would end it with a signal."""
+    result = subprocess.run([sys.executable, "-m", "tests.delegate.shared_stress_child", str(mf_path), "60"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-3000:]}"
+    assert result.stdout.split() == ["ok", "60"]
