@@ -6,7 +6,8 @@ Each cycle loads the program twice with share_multifunction_model (one shared mo
 method from two threads at once while one program is closed under them (its calls finish or are refused with a
 clear error; the other program keeps the model), checks the outputs against the first cycle's, then closes the
 other program from a helper thread (the last release, which unloads the model and unmaps its weights). A crash
-(a segfault, an abort from the engine, a GIL error) ends this process with a signal; the test sees the return code. Prints "ok <cycles>" on success.
+(a segfault, an abort from the engine, a GIL error) ends this process with a signal; the test sees the return
+code. Prints "ok <cycles>" on success.
 """
 
 import gc

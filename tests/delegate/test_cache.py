@@ -140,6 +140,42 @@ def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, capl
     assert np.isfinite(y).all()
 
 
+def test_weights_that_passed_a_full_check_are_not_rehashed_until_something_writes_them(
+    mf_program, tmp_path, states, caplog, monkeypatch
+):
+    import onecopy.delegate.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_SETTLE_S", -1.0)  # a stamp counts as settled at once (no 2 s wait here)
+    hashed: list[int] = []
+    checksum = cache_module._checksum
+    monkeypatch.setattr(cache_module, "_checksum", lambda data: hashed.append(len(data)) or checksum(data))
+    load_all(mf_program, tmp_path)[0].close()  # forward specializes (its restore checks every byte), prefill restores
+    encoded = _entry_module(tmp_path).parent / "encoded.bin"
+    size = encoded.stat().st_size
+    module_size = _entry_module(tmp_path).stat().st_size
+    # publish checksums both files; the restore right after it checks both again and records the stamp
+    assert hashed == [module_size, size, module_size, size, module_size]
+    hashed.clear()
+    program, methods = load_all(mf_program, tmp_path)
+    (expected,) = methods[0].execute([np.ones((1, 64), np.float32)])
+    program.close()
+    assert hashed == [module_size, module_size]  # both restores: the module checked, the unchanged weights not
+    with open(encoded, "r+b") as f:  # one bit, in place: same size, same inode; ctime moves
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0x01]))
+    hashed.clear()
+    program, methods = load_all(mf_program, tmp_path)
+    (y,) = methods[0].execute([np.ones((1, 64), np.float32)])
+    program.close()
+    assert states() == ["specialized", "restored", "restored", "restored", "specialized", "restored"]
+    assert size in hashed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("checksum mismatch in encoded.bin" in w for w in warnings)
+    np.testing.assert_array_equal(y, expected)
+
+
 @pytest.mark.parametrize("point", ["compile", "publish"])
 def test_process_killed_mid_specialization_leaves_no_entry(mf_program, tmp_path, point, states):
     marker = tmp_path / "marker"

@@ -290,13 +290,7 @@ class EngineFunction:
 
         results = rt.VmVariantList(max(len(outputs), 1))
         if locked:
-            with contextlib.ExitStack() as stack:
-                # Hold the bound surfaces for the call: readers share, the surface written in place is exclusive
-                # (its generation moves on). Taken in name order so two processes never wait in a cycle.
-                for name in sorted(locked):
-                    surface, readonly = locked[name]
-                    stack.enter_context(surface.lock(readonly=readonly))
-                self._invoke(args, results)
+            self._invoke_locked(args, results, locked)
         else:
             self._invoke(args, results)
 
@@ -327,6 +321,20 @@ class EngineFunction:
             memory_type=self._memory_type, allowed_usage=self._usage, allocation_size=max(nbytes, 1)
         )
         return self._rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
+
+    def _invoke_locked(self, args: Any, results: Any, locked: dict[str, tuple[Any, bool]]) -> None:
+        """Invoke holding the bound surfaces: readers share, the surface written in place is exclusive (its
+        generation moves on). Taken in name order so two processes never wait in a cycle."""
+        taken: list[tuple[Any, bool]] = []
+        try:
+            for name in sorted(locked):
+                surface, readonly = locked[name]
+                surface.acquire(readonly)
+                taken.append((surface, readonly))
+            self._invoke(args, results)
+        finally:
+            for surface, readonly in reversed(taken):
+                surface.release(readonly)
 
     def _invoke(self, args: Any, results: Any) -> None:
         with self.model.context() as context:
