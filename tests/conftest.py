@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import numpy as np
 import pytest
@@ -56,6 +58,17 @@ def small_program_path(small_program, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_vmfb_program(small_methods) -> ProgramFile:
+    """The same, AOT-compiled for this machine (vmfb): data-tiled code plus a parameter encoder per target."""
+    return export_program(small_methods, compile_spec=CompileSpec(packaging="vmfb"))
+
+
+@pytest.fixture(scope="session")
+def small_vmfb_program_path(small_vmfb_program, tmp_path_factory):
+    return small_vmfb_program.save(tmp_path_factory.mktemp("programs") / "small-vmfb.onecopy")
+
+
+@pytest.fixture(scope="session")
 def builtin() -> torch.nn.Module:
     return builtin_model()
 
@@ -65,6 +78,16 @@ def builtin_program(request, builtin, tmp_path_factory):
     """The real built-in model (8 x Linear(1024, 1024)) in each packaging."""
     program = export_program(builtin_methods(builtin), compile_spec=CompileSpec(packaging=request.param))
     return program.save(tmp_path_factory.mktemp("builtin") / f"builtin-{request.param}.onecopy")
+
+
+def vmfb_without_encoders(methods, **spec) -> ProgramFile:
+    """A vmfb program as exported before parameter encoders: data-tiled code that packs its weights itself, in
+    every VM context, and a manifest without `encoders`."""
+    from onecopy.export import lowering
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lowering, "wants_encoder", lambda has_parameters, target: False)
+        return export_program(methods, compile_spec=CompileSpec(packaging="vmfb", **spec))
 
 
 def eager(model: torch.nn.Module, *inputs: np.ndarray):
@@ -91,6 +114,17 @@ def with_manifest(program: ProgramFile, index: int, **changes) -> bytes:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def states(caplog):
+    """`states()`: how each delegate load of this test went, from its log line ("specialized" or "restored")."""
+    caplog.set_level(logging.INFO, logger="onecopy")
+
+    def read():
+        return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("kind=")]
+
+    return read
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -31,16 +31,6 @@ def program_of_width(width: int, directory: Path) -> Path:
     return export_program(builtin_methods(model, batches={"forward": 1}, width=width)).save(directory / f"w{width}.onecopy")
 
 
-@pytest.fixture
-def states(caplog):
-    caplog.set_level(logging.INFO, logger="onecopy")
-
-    def read():
-        return [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("kind=")]
-
-    return read
-
-
 def load_all(path, runtime_cache_dir, **options):
     program = Runtime(cache_dir=runtime_cache_dir).load_program(path, backend_options={"IreeBackend": options} if options else None)
     methods = [program.load_method(name) for name in program.method_names]

@@ -1,9 +1,13 @@
+import numpy as np
 import pytest
 
 from onecopy import Runtime
 from onecopy.delegate import parse_manifest
+from onecopy.delegate.targets import host_cpu_target
 from onecopy.errors import DelegateError
-from tests.conftest import with_manifest
+from tests.conftest import eager, vmfb_without_encoders, with_manifest
+
+HOST = host_cpu_target().name
 
 
 def load_forward(program_bytes):
@@ -44,6 +48,8 @@ def test_unknown_packaging_is_refused(small_program):
         ({"surprise": True}, r"unknown field `surprise`"),
         ({"version": 99}, r"manifest version 99 is newer than this onecopy reads"),
         ({"bundle": {"x86_64": "bundle/x"}}, r"an mlir manifest needs exactly the bundle key 'portable'"),
+        ({"encoders": ["x86_64"]}, r"Expected `object`, got `array` - at `\$.encoders`"),
+        ({"encoders": {"portable": "bundle/x"}}, r"field `encoders` applies to vmfb manifests only, this one is mlir"),
     ],
 )
 def test_invalid_manifest_names_the_field(small_program, changes, message):
@@ -59,3 +65,31 @@ def test_missing_bundle_is_reported(small_program):
 def test_missing_function_lists_the_functions(small_program):
     with pytest.raises(DelegateError, match=r"the bundle has no function 'decode_3'; it has .*main"):
         load_forward(with_manifest(small_program, 0, function="decode_3"))
+
+
+def test_vmfb_encoders_name_only_targets_of_the_bundle(small_vmfb_program):
+    other = "aarch64" if HOST == "x86_64" else "x86_64"
+    with pytest.raises(DelegateError, match=rf"field `encoders` names target\(s\) {other} that `bundle` has no code for \(it has {HOST}\)"):
+        load_forward(with_manifest(small_vmfb_program, 0, encoders={other: "bundle/x"}))
+
+
+def test_missing_parameter_encoder_is_reported(small_vmfb_program):
+    with pytest.raises(DelegateError, match=rf"parameter encoder for {HOST} 'bundle/gone' is missing from the program's named data"):
+        load_forward(with_manifest(small_vmfb_program, 0, encoders={HOST: "bundle/gone"}))
+
+
+def test_vmfb_manifest_that_lost_its_encoders_is_a_clear_error(small_vmfb_program):
+    # The bundle was compiled to read packed weights: without its encoder nothing produces them.
+    with pytest.raises(DelegateError, match=rf"the {HOST} bundle reads weights packed ahead of time \(parameter scope 'encoded'\) but nothing produced them: its manifest names no parameter encoder for {HOST}\. Re-export the program\."):
+        load_forward(with_manifest(small_vmfb_program, 0, encoders=None))
+
+
+def test_old_style_vmfb_manifest_without_encoders_still_loads(small_methods, small_model, states, monkeypatch, rng):
+    program = vmfb_without_encoders(small_methods)
+    assert all("encoders" not in d.manifest for d in program.definition.delegates)
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # nothing to encode: the load specializes nothing
+    x = rng.standard_normal((16, 64), dtype=np.float32)
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        (y,) = loaded.load_method("prefill").execute([x])
+    np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+    assert states() == ["restored"]

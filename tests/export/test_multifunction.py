@@ -96,13 +96,21 @@ def test_without_multifunction_methods_may_have_their_own_compile_specs(small_me
 
 def test_vmfb_compiles_once_per_target_and_shares_parameters(small_methods, monkeypatch):
     calls = []
-    real = lowering.compile_bundle_best
-    monkeypatch.setattr(lowering, "compile_bundle_best", lambda source, target, **kw: calls.append(target.name) or real(source, target, **kw))
+    real = lowering.compile_with_encoder
+    monkeypatch.setattr(lowering, "compile_with_encoder", lambda source, target, **kw: calls.append(target.name) or real(source, target, **kw))
     program = export_program(small_methods, partitioner=MF, compile_spec=CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64")))
     assert sorted(calls) == ["aarch64", "x86_64"]
-    (manifest, _) = manifests(program)
+    (manifest, second) = manifests(program)
     assert set(manifest["bundle"]) == {"x86_64", "aarch64"}
     assert len([k for k in program.data.keys() if k.startswith("param/")]) == 6
+    # Each CPU target, this machine's or not, gets its parameter encoder, compiled for that target (ELF e_machine
+    # 62 = x86_64, 183 = aarch64), once for the module that both functions share.
+    assert set(manifest["encoders"]) == {"x86_64", "aarch64"} and second["encoders"] == manifest["encoders"]
+    blobs = dict(program.data.items())
+    for target, machine in (("x86_64", 62), ("aarch64", 183)):
+        encoder = bytes(blobs[manifest["encoders"][target]].data)
+        elf = encoder.find(b"\x7fELF")
+        assert elf >= 0 and int.from_bytes(encoder[elf + 18 : elf + 20], "little") == machine
 
 
 @pytest.mark.parametrize("packaging", PACKAGINGS)

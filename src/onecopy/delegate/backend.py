@@ -12,8 +12,8 @@ import numpy as np
 
 from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabled, cache_key, open_cache
 from onecopy.delegate.binding import SurfaceBinding
-from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version
-from onecopy.delegate.specialize import specialize
+from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
+from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, parse_manifest
 from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
 from onecopy.delegate.shared_models import shared_models
@@ -94,8 +94,9 @@ class _Resolved:
         return (self.cache_key or self.manifest.export_hash)[:12]
 
     def table_key(self) -> Hashable:
-        """Key of the shared-model table: (cache directory identity, cache key). A vmfb bundle runs from the
-        program file itself, so its model is identified by export hash, target and compute units instead."""
+        """Key of the shared-model table: (cache directory identity, cache key). A vmfb bundle without a cache entry
+        (no parameter encoder for its target, or the cache disabled) runs from the program file alone, so its model
+        is identified by export hash, target and compute units instead."""
         if self.cache is not None:
             return (self.cache.identity, self.cache_key)
         return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units)
@@ -184,10 +185,18 @@ class IreeBackend(Backend):
         if manifest.packaging == "vmfb":
             target = select_target(units, where, candidates=tuple(manifest.bundle))
             check_target_runs_here(target, where)
-            return _Resolved(manifest, units, target, None, None)
-        target = select_target(units, where)
-        if cache_disabled():
-            return _Resolved(manifest, units, target, None, None)
+            # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
+            if target.name not in manifest.encoders or cache_disabled():
+                return _Resolved(manifest, units, target, None, None)
+            # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
+            # compiler is involved, nor needed, on a device loading a vmfb program.
+            features, engine = host_features(target), f"runtime {runtime_version()}"
+        else:
+            target = select_target(units, where)
+            if cache_disabled():
+                return _Resolved(manifest, units, target, None, None)
+            features = host_features(target) + "|" + " ".join(compiler_flags(target, for_host=True))
+            engine = compiler_version()
         options = context.backend_options
         cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
         key = cache_key(
@@ -195,15 +204,16 @@ class IreeBackend(Backend):
             packaging=manifest.packaging,
             compute_units=units,
             target=target.name,
-            features=host_features(target) + "|" + " ".join(compiler_flags(target, for_host=True)),
-            compiler=compiler_version(),
+            features=features,
+            compiler=engine,
         )
         return _Resolved(manifest, units, target, cache, key)
 
     @staticmethod
     def _load(context: InitContext, resolved: _Resolved) -> LoadedModel:
-        """Build the model: vmfb code in place from the program file; mlir code restored from the cache entry
-        (or specialized into it). Parameters always come from the program's mapping, never copied."""
+        """Build the model: vmfb code in place from the program file, with the weights its encoder packs restored
+        from the cache entry (or encoded into it); mlir code and packed weights restored from the cache entry (or
+        specialized into it). Parameters always come from the program's mapping, never copied."""
         where, manifest, target = context.where, resolved.manifest, resolved.target
         entry: CacheEntry | None = None
         encoded: dict[str, memoryview] = {}
@@ -211,25 +221,43 @@ class IreeBackend(Backend):
             name: _named(context.named_data, key, f"parameter '{name}'", where)
             for name, key in manifest.parameters.items()
         }
+        # `produce` makes what the cache entry holds: for mlir the module and its packed weights (specialize), for
+        # vmfb the packed weights only (its encoder; the module runs in place from the program file).
+        produce: Callable[[], Specialization] | None
         if manifest.packaging == "vmfb":
-            code: bytes | memoryview = _named(context.named_data, manifest.bundle[target.name], "bundle", where)
-            state = "restored"
+            code: bytes | memoryview | None = _named(context.named_data, manifest.bundle[target.name], "bundle", where)
+            encoder_key = manifest.encoders.get(target.name)
+            if encoder_key is None:  # nothing packed ahead of time (older program, non-CPU target, no data tiling)
+                produce = None
+            else:
+                encoder = _named(context.named_data, encoder_key, f"parameter encoder for {target.name}", where)
+                produce = lambda: encode(encoder, parameters, target, where)
         else:
+            code = None  # the specialized module
             source = _named(context.named_data, manifest.bundle["portable"], "bundle", where)
+            produce = lambda: specialize(source, parameters, target, where)
+        state = "restored"
+        if produce is not None:
             if resolved.cache is None:
-                result = specialize(source, parameters, target, where)
-                code, state = result.module, "specialized"
+                result = produce()
+                module, state = result.module, "specialized"
                 encoded = {name: memoryview(array) for name, array in result.encoded.items()}
             else:
                 entry, state = resolved.cache.get_or_specialize(
                     resolved.cache_key,  # type: ignore[arg-type]
-                    lambda: specialize(source, parameters, target, where),
+                    produce,
                     program=str(context.program_path or "<bytes>"),
                     packaging=manifest.packaging,
                     compute_units=resolved.units,
                     target=target.name,
                 )
-                code, encoded = entry.module(), entry.encoded()
+                module, encoded = entry.module(), entry.encoded()
+            code = code if code is not None else module
+        if code is None:  # an mlir key's entry without a module: onecopy never writes one
+            if entry is not None:
+                entry.close()
+            raise DelegateError(f"{where}: the cache entry {resolved.key_prefix} holds no module; run `onecopy cache "
+                                "clear` and load again.")
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry)
         except BaseException:

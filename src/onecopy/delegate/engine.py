@@ -25,7 +25,7 @@ from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["compile_bundle", "compiler_version", "vm_instance", "hal_device", "LoadedModel", "EngineFunction"]
+__all__ = ["compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "LoadedModel", "EngineFunction"]
 
 log = logging.getLogger("onecopy")
 
@@ -48,6 +48,14 @@ def compiler_version() -> str:
     text = (Path(spec.origin).parent / "version.py").read_text()
     found = re.search(r"""^VERSION\s*=\s*["']([^"']+)["']""", text, re.M)
     return found.group(1) if found else hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_version() -> str:
+    """The IREE runtime's version: what runs a `vmfb` program's parameter encoder at load (no compiler there)."""
+    from iree.runtime.version import VERSION
+
+    return str(VERSION)
 
 
 def compile_bundle(
@@ -132,6 +140,7 @@ class LoadedModel:
             # The index keeps a reference to the buffer and reads the program's mapping in place: no copy.
             index.add_buffer(name, view)
         providers = [index.create_provider(scope=PARAMETER_SCOPE)]
+        self.encoded_bytes = sum(memoryview(view).nbytes for view in (encoded or {}).values())  # packed once, shared
         if encoded:
             # Weights packed once at specialization (scope `encoded`): every context reads this one mapped copy
             # instead of packing its own at initialization.
@@ -163,7 +172,13 @@ class LoadedModel:
 
         try:
             context = ireert.VmContext(self._instance, modules=self._modules)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
+            if f"scopes like '{ENCODED_SCOPE}'" in str(e):  # IREE: "no provider registered that handles scopes like"
+                raise DelegateError(
+                    f"{self.where}: the {self.target.name} bundle reads weights packed ahead of time (parameter scope "
+                    f"'{ENCODED_SCOPE}') but nothing produced them: its manifest names no parameter encoder for "
+                    f"{self.target.name}. Re-export the program. (IREE: {str(e).strip()})"
+                ) from e
             raise DelegateError(f"{self.where}: IREE could not initialize the module: {e}") from e
         with self._pool_lock:
             self.contexts_created += 1

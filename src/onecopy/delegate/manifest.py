@@ -9,6 +9,12 @@ Example (a portable delegate of a single-function module):
 `outputs_in_place: true` marks a destination-passing `function` (outputs as trailing arguments, written in
 place), exported for caller-provided outputs. `bundle` has one key per target for `vmfb` packaging (`{"x86_64": …, "aarch64": …}`) and the single key
 `portable` for `mlir`. `parameters` maps each engine parameter name (scope `model`) to its named data key.
+
+`encoders` (optional, `vmfb` only; absent means none) maps a target of `bundle` to the named data key of that
+target's parameter encoder: a small `.vmfb` compiled at export beside the data-tiled bundle. The bundle then reads
+its packed weights from the parameter scope `encoded`; the loader runs the encoder once per machine and caches its
+output (see `onecopy.delegate.specialize`). A target without an encoder (not a CPU, data tiling fell back, or an
+older program) packs nothing ahead of time.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     # `function` is destination-passing: it takes its outputs' storage as trailing arguments and writes them in
     # place (so a bound surface is written by the engine itself); its return value is a 0-d placeholder.
     outputs_in_place: bool = False
+    # target name (a key of `bundle`) -> named data key of its parameter encoder (vmfb only).
+    encoders: dict[str, str] = {}
 
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
@@ -65,4 +73,13 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
         raise DelegateError(f"{where}: an mlir manifest needs exactly the bundle key '{PORTABLE}'. Re-export the program.")
     if not manifest.bundle:
         raise DelegateError(f"{where}: the manifest names no bundle. Re-export the program.")
+    if manifest.encoders and manifest.packaging != "vmfb":
+        raise DelegateError(f"{where}: field `encoders` applies to vmfb manifests only, this one is {manifest.packaging}. "
+                            "Re-export the program.")
+    strays = sorted(set(manifest.encoders) - set(manifest.bundle))
+    if strays:
+        raise DelegateError(
+            f"{where}: field `encoders` names target(s) {', '.join(strays)} that `bundle` has no code for "
+            f"(it has {', '.join(sorted(manifest.bundle))}). Re-export the program."
+        )
     return manifest

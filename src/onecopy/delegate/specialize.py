@@ -10,6 +10,14 @@ output in the cache entry beside the module, and every context and process memor
 The encoder module follows IREE's `iree-encode-parameters` protocol (reflection `iree.encode.function`):
 `indices` lists the parameters to produce (scope, name, size), `encode` reads the original weights through the
 `model` scope and scatters the encoded ones into writable `encoded` parameters.
+
+`vmfb` (AOT) programs get the same: export compiles each CPU target's bundle with the encoder flags
+(`compile_with_encoder`, the one implementation both paths use) and stores that target's encoder beside the
+bundle (manifest field `encoders`). At load, `encode` runs it once per machine; the cache entry then holds the
+encoded parameters only, while the module's code keeps running in place from the program file.
+
+Running an encoder at load is a specialization step: `ONECOPY_FORBID_SPECIALIZE=1` refuses it just as it refuses
+a compile, so a load under that variable is a restore or an error, never a silent repack.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError
 
-__all__ = ["ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "Specialization", "specialize"]
+__all__ = [
+    "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "Compiled", "Specialization", "compile_with_encoder", "encode",
+    "specialize", "wants_encoder",
+]
 
 log = logging.getLogger("onecopy")
 
@@ -37,9 +48,10 @@ ENV_FORBID_SPECIALIZE = "ONECOPY_FORBID_SPECIALIZE"
 
 @dataclass
 class Specialization:
-    """What specialization produces: the module, and the encoded parameters it reads (maybe none)."""
+    """What specialization produces: the module, and the encoded parameters it reads (maybe none). `module` is None
+    when the module runs from the program file (a `vmfb` program): the result is the encoded parameters only."""
 
-    module: bytes
+    module: bytes | None
     encoded: dict[str, np.ndarray] = field(default_factory=dict)  # name in scope `encoded` -> bytes (uint8)
     data_tiling: bool = True
 
@@ -52,11 +64,47 @@ def _encoder_flags(path: Path) -> list[str]:
     ]
 
 
+@dataclass
+class Compiled:
+    """A bundle compiled for one target, and the parameter encoder for the same target (None: nothing to encode,
+    the module then reads no `encoded` scope)."""
+
+    module: bytes
+    data_tiling: bool
+    encoder: bytes | None = None
+
+
+def wants_encoder(has_parameters: bool, target: Target) -> bool:
+    """Whether a compile for `target` asks for a parameter encoder: data tiling packs weights on CPU targets."""
+    return bool(has_parameters) and target.compute_unit == "cpu"
+
+
+def compile_with_encoder(
+    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, with_encoder: bool
+) -> Compiled:
+    """Compile `source` for `target` with data tiling and, when `with_encoder`, IREE's parameter encoder for the
+    same target. If data tiling fell back, or the compiler produced no encoder (nothing to pack), there is none.
+    Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
+    with tempfile.TemporaryDirectory(prefix="onecopy-encoder-") as tmp:
+        encoder_path = Path(tmp) / "encoder.mlir"
+        extra = _encoder_flags(encoder_path) if with_encoder else []
+        module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra)
+        if not extra or not data_tiling or not encoder_path.exists() or encoder_path.stat().st_size == 0:
+            return Compiled(module, data_tiling)
+        encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=for_host, data_tiling=False)
+    return Compiled(module, data_tiling, encoder)
+
+
+def _check_allowed(where: str) -> None:
+    if os.environ.get(ENV_FORBID_SPECIALIZE, "") not in ("", "0"):
+        raise DelegateError(f"{where}: specialization is forbidden ({ENV_FORBID_SPECIALIZE} is set) but the cache has no entry.")
+
+
 def _reflection(function) -> dict[str, str]:
     return dict(function.reflection)
 
 
-def _run_encoder(encoder_vmfb: bytes, parameters: Mapping[str, memoryview], target: Target) -> dict[str, np.ndarray]:
+def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target) -> dict[str, np.ndarray]:
     import iree.runtime as ireert
 
     instance = vm_instance()
@@ -118,24 +166,31 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
     use it to prove a load was restored.
     """
-    if os.environ.get(ENV_FORBID_SPECIALIZE, "") not in ("", "0"):
-        raise DelegateError(f"{where}: specialization is forbidden ({ENV_FORBID_SPECIALIZE} is set) but the cache has no entry.")
-    with tempfile.TemporaryDirectory(prefix="onecopy-specialize-") as tmp:
-        encoder_path = Path(tmp) / "encoder.mlir"
-        extra = _encoder_flags(encoder_path) if parameters and target.compute_unit == "cpu" else []
-        try:
-            module, data_tiling = compile_bundle_best(source, target, for_host=True, where=where, extra_flags=extra)
-            if not data_tiling:
-                return Specialization(module, data_tiling=False)
-            if not encoder_path.exists() or encoder_path.stat().st_size == 0:
-                return Specialization(module)
-            encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=True, data_tiling=False)
-        except DelegateError as e:
-            raise DelegateError(f"{where}: {e}") from e
+    _check_allowed(where)
+    try:
+        compiled = compile_with_encoder(source, target, for_host=True, where=where,
+                                        with_encoder=wants_encoder(bool(parameters), target))
+    except DelegateError as e:
+        raise DelegateError(f"{where}: {e}") from e
+    if compiled.encoder is None:
+        return Specialization(compiled.module, data_tiling=compiled.data_tiling)
+    encoded = _encode(compiled.encoder, parameters, target, where)
+    return Specialization(compiled.module, encoded)
+
+
+def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:
+    """Run a `vmfb` program's parameter encoder (compiled at export for `target`) once, here: the result holds the
+    encoded parameters only; the module itself runs from the program file. A specialization step, so
+    `ONECOPY_FORBID_SPECIALIZE=1` refuses it."""
+    _check_allowed(where)
+    return Specialization(None, _encode(encoder, parameters, target, where))
+
+
+def _encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> dict[str, np.ndarray]:
     try:
         encoded = _run_encoder(encoder, parameters, target)
     except (RuntimeError, ValueError) as e:
         raise DelegateError(f"{where}: encoding the parameters for this machine failed: {e}") from e
-    log.debug("%s: encoded %d parameters (%d bytes) at specialization", where, len(encoded),
+    log.debug("%s: encoded %d parameters (%d bytes) for this machine", where, len(encoded),
               sum(a.nbytes for a in encoded.values()))
-    return Specialization(module, encoded)
+    return encoded

@@ -347,11 +347,14 @@ def _plan_delegate_partition(
 
 def _deliver(
     bundle: LoweredBundle, table: ParameterTable, parameters: list[str], store: NamedDataStore
-) -> tuple[str, dict[str, str], dict[str, str]]:
-    """Put a bundle and its parameters into the named data store. Returns (export hash, bundle keys, parameters)."""
+) -> tuple[str, dict[str, str], dict[str, str], dict[str, str]]:
+    """Put a bundle, its parameter encoders and its parameters into the named data store. Returns (export hash,
+    bundle keys, encoder keys, parameters)."""
     h = hashlib.sha256(bundle.packaging.encode())
     for target in sorted(bundle.code):
         h.update(f"{target}:{hashlib.sha256(bundle.code[target]).hexdigest()}".encode())
+    for target in sorted(bundle.encoders):  # what the encoded weights are computed by: part of the identity
+        h.update(f"encoder {target}:{hashlib.sha256(bundle.encoders[target]).hexdigest()}".encode())
     for name in sorted(parameters):
         h.update(f"{name}:{table.digests[name]}".encode())
     export_hash = h.hexdigest()
@@ -360,11 +363,15 @@ def _deliver(
     for target, code in bundle.code.items():
         keys[target] = f"bundle/{export_hash[:40]}.{target}.{suffix}" if target != PORTABLE else f"bundle/{export_hash[:40]}.{suffix}"
         store.add(keys[target], code)
+    encoders = {}
+    for target, encoder in bundle.encoders.items():
+        encoders[target] = f"bundle/{export_hash[:40]}.{target}.encoder.{suffix}"  # code: `bundle/` like the rest
+        store.add(encoders[target], encoder)
     bound = {}
     for name in parameters:
         bound[name] = parameter_key(table.digests[name])
         store.add(bound[name], ParameterTable.host_bytes(table.tensors[name]))
-    return export_hash, keys, bound
+    return export_hash, keys, encoders, bound
 
 
 def _per_method(methods: Mapping[str, Any], given: Any, kind: type, what: str) -> dict[str, Any]:
@@ -468,7 +475,7 @@ def export_program(
         compile_spec = specs[group[0][0].method]  # one spec per group: checked equal for multifunction
         bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec)
         used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
-        export_hash, keys, bound = _deliver(bundle, table, used, store)
+        export_hash, keys, encoders, bound = _deliver(bundle, table, used, store)
         for p, function in group:
             manifest: dict[str, Any] = {
                 "version": MANIFEST_VERSION,
@@ -483,6 +490,8 @@ def export_program(
             }
             if p.outputs_in_place:
                 manifest["outputs_in_place"] = True
+            if encoders:
+                manifest["encoders"] = encoders
             if multifunction:
                 manifest["multifunction"] = True
             manifests[p.delegate] = manifest

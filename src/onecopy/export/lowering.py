@@ -3,19 +3,23 @@
 Both partitioner modes go through `lower`: the default stages one partition as `main`; multifunction stages every
 method's partitions at once as `<method>_<i>`. Parameters are externalized (scope `model`), so the bundle holds
 code only and each weight is stored once in the program's named data, however many functions use it.
+
+A `vmfb` bundle for a CPU target is compiled with data tiling and IREE's parameter encoder (as specialization
+does for `mlir`): the bundle reads its packed weights from scope `encoded`, and the encoder, compiled for the
+same target, travels beside it so a loader packs the weights once per machine instead of once per VM context.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from onecopy.delegate.engine import compile_bundle_best
 from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
+from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
@@ -45,6 +49,8 @@ class LoweredBundle:
     packaging: str
     code: dict[str, bytes]  # PORTABLE -> MLIR bytecode, or target name -> vmfb
     functions: list[str]
+    # target name -> its parameter encoder (vmfb), for the targets whose bundle reads scope `encoded`
+    encoders: dict[str, bytes] = field(default_factory=dict)
 
 
 def _varargs(specs: tuple | None) -> tuple | None:
@@ -97,13 +103,19 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
     except Exception as e:
         raise ExportError(f"iree-turbine could not import {where}: {e}") from e
     bytecode = buffer.getvalue()
+    names = [f.name for f in functions]
     if spec.packaging == "mlir":
-        code = {PORTABLE: bytecode}
-    else:
-        code = {}
-        for target in spec.targets:
-            try:
-                code[target], _ = compile_bundle_best(bytecode, TARGETS[target], for_host=False, where=where)
-            except DelegateError as e:
-                raise ExportError(f"{where}: {e}") from e
-    return LoweredBundle(spec.packaging, code, [f.name for f in functions])
+        return LoweredBundle(spec.packaging, {PORTABLE: bytecode}, names)
+    code, encoders = {}, {}
+    has_parameters = any(f.parameters for f in functions)
+    for name in spec.targets:
+        target = TARGETS[name]
+        try:
+            compiled = compile_with_encoder(bytecode, target, for_host=False, where=where,
+                                            with_encoder=wants_encoder(has_parameters, target))
+        except DelegateError as e:
+            raise ExportError(f"{where}: {e}") from e
+        code[name] = compiled.module
+        if compiled.encoder is not None:
+            encoders[name] = compiled.encoder
+    return LoweredBundle(spec.packaging, code, names, encoders)
