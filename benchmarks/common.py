@@ -617,7 +617,7 @@ class RawIree:
 
             fd = os.open(path, os.O_RDONLY)
             try:
-                view = map_pages(fd, e)
+                view = map_pages(fd, e, owner=self)  # unmapped when this peer is collected
             finally:
                 os.close(fd)
             self._maps.append(view)

@@ -260,3 +260,61 @@ def test_dlpack_views_of_bound_surfaces_are_used_in_place(scale_bias, surfaces):
         forward.execute([x], outputs=[y])
         assert forward.last_copy_stats.copied == 0
     assert (y == 5).all()
+
+
+def test_a_prepared_call_reruns_on_each_new_frame_in_place(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        call = forward.prepare([frame(src)], outputs=[frame(dst)])
+        for value in (1.0, 3.0, -2.0):  # a new frame each time, written where the engine reads it
+            with src.lock() as pixels:
+                pixels[:] = value
+            generation = dst.generation
+            (y,) = call.run()
+            assert pointer(y) == dst.base_address
+            np.testing.assert_array_equal(dst.array(), np.full((64, 32), value * 2 + 1, np.float16))
+            assert call.last_copy_stats.copied == 0 and call.last_copy_stats.in_place_out == dst.nbytes
+            assert dst.generation == generation + 1  # locked for writing around each run
+        assert forward.last_copy_stats.copied == 0
+
+
+def test_a_prepared_call_on_plain_arrays_copies_their_content_at_each_run(scale_bias):
+    x, out = np.zeros(SHAPE, np.float16), np.empty(SHAPE, np.float16)
+    with Runtime().load_program(scale_bias) as program:
+        call = program.load_method("forward").prepare([x], outputs=[out])
+        for value in (1.0, 5.0):
+            x[:] = value
+            (y,) = call.run()
+            assert y is out
+            np.testing.assert_array_equal(out, np.full(SHAPE, value * 2 + 1, np.float16))
+            assert call.last_copy_stats.copied_in == x.nbytes and call.last_copy_stats.copied_out == out.nbytes
+
+
+def test_a_prepared_call_fails_cleanly_once_its_surface_or_program_is_closed(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    program = Runtime().load_program(scale_bias)
+    forward = program.load_method("forward")
+    forward.bind_surface(src)
+    forward.bind_surface(dst)
+    call = forward.prepare([frame(src)], outputs=[frame(dst)])
+    call.run()
+    src.close()
+    with pytest.raises(ExecutionError, match=f"input 0 is bound surface '{src.name}', which was closed"):
+        call.run()
+    program.close()
+    with pytest.raises(ExecutionError, match="belongs to a closed program"):
+        call.run()
+
+
+def test_a_prepared_call_of_a_method_with_a_graph_break_runs_it_whole(small_methods, small_model, rng):
+    program = export_program(small_methods, partitioner=Partitioner(skip_ops=("aten.relu.default",)))
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        forward = loaded.load_method("forward")
+        x = rng.standard_normal((1, 64), dtype=np.float32)
+        call = forward.prepare([x])
+        for _ in range(2):
+            x[:] = rng.standard_normal((1, 64), dtype=np.float32)
+            np.testing.assert_array_equal(call.run()[0], forward.execute([x])[0])

@@ -57,6 +57,14 @@ class IreeDelegate(DelegateHandle):
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
         return function(inputs, outputs, stats)
 
+    def prepare(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
+    ) -> Callable[[CopyStats], list[np.ndarray]]:
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        return function.prepare(inputs, outputs).run
+
     def bind_surface(self, surface: Any) -> None:
         function = self._function
         if function is None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.binding import SurfaceBinding
+from onecopy.delegate.invocation import Invocation
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 
 ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
@@ -25,7 +26,10 @@ from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "LoadedModel", "EngineFunction"]
+__all__ = [
+    "compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "LoadedModel",
+    "EngineFunction",
+]
 
 log = logging.getLogger("onecopy")
 
@@ -222,22 +226,19 @@ class LoadedModel:
 _element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, looked up once
 
 
-def _data_pointer(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
 class EngineFunction:
     """Calls one function of a loaded model on numpy arrays, in place where a bound surface allows it.
 
     `outputs_in_place`: the function is destination-passing (outputs as trailing arguments, written in place).
     A bound surface given as output storage is then handed over as is, so the engine writes the surface itself;
-    other storage gets an engine buffer that is copied out after the call.
+    other storage gets an engine buffer that is copied out after the call. Each call is an `Invocation`
+    (onecopy.delegate.invocation): planned, then run; `prepare` keeps the plan for many runs.
     """
 
     def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False):
         import iree.runtime as ireert
 
-        self._rt = ireert
+        self.rt = ireert
         self.model = model
         self.name = name
         self._vm_function = vm_function
@@ -250,7 +251,16 @@ class EngineFunction:
     def bind(self, binding: SurfaceBinding) -> None:
         self.bindings = {**self.bindings, binding.base_address: binding}
 
-    def _copy_in(self, array: np.ndarray) -> Any:
+    def __call__(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
+    ) -> list[np.ndarray]:
+        return Invocation(self, inputs, outputs).run(stats)
+
+    def prepare(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> Invocation:
+        """Plan a call on these very arrays once, to `run()` it many times (one plan per thread)."""
+        return Invocation(self, inputs, outputs)
+
+    def copy_in(self, array: np.ndarray) -> Any:
         element_type = self._element_type(array.dtype)
         device = self.model.device
         # Strided (e.g. padded surface rows) arrays are gathered densely here: the engine only takes dense views.
@@ -259,107 +269,32 @@ class EngineFunction:
             buffer=np.ascontiguousarray(array), element_type=element_type,
         )
 
-    def __call__(
-        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
-    ) -> list[np.ndarray]:
-        rt = self._rt
-        stats = stats if stats is not None else CopyStats()
-        bindings = self.bindings
-        device = self.model.device
-        locked: dict[str, tuple[Any, bool]] = {}  # surface name -> (surface, readonly)
-
-        def bound(array: np.ndarray | None) -> SurfaceBinding | None:
-            return bindings.get(_data_pointer(array)) if bindings and array is not None else None
-
-        args = rt.VmVariantList(len(inputs) + len(outputs))
-        for i, array in enumerate(inputs):
-            binding = bound(array)
-            if binding is not None and binding.dense:
-                args.push_ref(binding.buffer_view(device, array.shape, array.dtype, f"input {i}"))
-                stats.in_place_in += array.nbytes
-                locked.setdefault(binding.surface.name, (binding.surface, True))
-            else:
-                if binding is not None:
-                    binding.check_open(f"input {i}")
-                args.push_ref(self._copy_in(array))
-                stats.copied_in += array.nbytes
-
-        out_bindings = [bound(out) for out in outputs]
-        in_place = self.outputs_in_place
-        if in_place and any(out is None for out in outputs):
-            raise ExecutionError(
-                f"{self.model.where}: function '{self.name}' writes its outputs in place and needs storage for each; "
-                "pass it with outputs=[...]."
-            )
-        staged: list[tuple[int, Any]] = []  # outputs of a destination-passing call that still need a copy out
-        if in_place:
-            for i, (out, binding) in enumerate(zip(outputs, out_bindings)):
-                if binding is not None and binding.dense:
-                    args.push_ref(binding.buffer_view(device, out.shape, out.dtype, f"output {i}"))  # type: ignore[union-attr]
-                    stats.in_place_out += out.nbytes  # type: ignore[union-attr]
-                    locked[binding.surface.name] = (binding.surface, False)
-                else:
-                    view = self._allocate(out.shape, out.dtype)  # type: ignore[union-attr]
-                    args.push_ref(view)
-                    staged.append((i, view))
-
-        results = rt.VmVariantList(max(len(outputs), 1))
-        if locked:
-            self._invoke_locked(args, results, locked)
-        else:
-            self._invoke(args, results)
-
-        if in_place:
-            for i, view in staged:
-                self._copy_out(view, outputs[i], stats)
-            return list(outputs)  # type: ignore[arg-type]
-        produced = []
-        for i, out in enumerate(outputs):
-            if out_bindings[i] is not None:
-                out_bindings[i].check_open(f"output {i}")  # type: ignore[union-attr]
-            produced.append(self._copy_out(results.get_as_object(i, rt.HalBufferView), out, stats))
-        return produced
-
     def _element_type(self, dtype: np.dtype) -> Any:
         element_type = _element_types.get(dtype)
         if element_type is None:
-            element_type = self._rt.array_interop.map_dtype_to_element_type(dtype)
+            element_type = self.rt.array_interop.map_dtype_to_element_type(dtype)
             if element_type is None:
                 raise ExecutionError(f"{self.model.where}: dtype {dtype} cannot be passed to the engine.")
             _element_types[dtype] = element_type
         return element_type
 
-    def _allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An engine buffer for an output written in place and copied out after: allocated, never filled."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         buffer = self.model.device.allocator.allocate_buffer(
             memory_type=self._memory_type, allowed_usage=self._usage, allocation_size=max(nbytes, 1)
         )
-        return self._rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
+        return self.rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
 
-    def _invoke_locked(self, args: Any, results: Any, locked: dict[str, tuple[Any, bool]]) -> None:
-        """Invoke holding the bound surfaces: readers share, the surface written in place is exclusive (its
-        generation moves on). Taken in name order so two processes never wait in a cycle."""
-        taken: list[tuple[Any, bool]] = []
-        try:
-            for name in sorted(locked):
-                surface, readonly = locked[name]
-                surface.acquire(readonly)
-                taken.append((surface, readonly))
-            self._invoke(args, results)
-        finally:
-            for surface, readonly in reversed(taken):
-                surface.release(readonly)
-
-    def _invoke(self, args: Any, results: Any) -> None:
+    def invoke(self, args: Any, results: Any) -> None:
         with self.model.context() as context:
             try:
                 context.invoke(self._vm_function, args, results)
             except RuntimeError as e:
                 raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
 
-    def _copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
-        rt = self._rt
+    def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
+        rt = self.rt
         dtype = rt.HalElementType.map_to_dtype(view.element_type)
         mapped = view.map()
         host = mapped.asarray(tuple(view.shape), dtype)

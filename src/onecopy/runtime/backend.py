@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import importlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -44,6 +44,13 @@ class DelegateHandle(abc.ABC):
     ) -> list[np.ndarray]:
         """Run on `inputs`; write into `outputs[i]` where given, else return new arrays. Add the bytes copied
         in and out (and used in place) to `stats`."""
+
+    def prepare(
+        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
+    ) -> Callable[[CopyStats], list[np.ndarray]]:
+        """A call on these very arrays, planned once and run many times (`Method.prepare`). A backend that plans
+        nothing ahead gets this default: each run is an `execute`."""
+        return lambda stats: self.execute(inputs, outputs, stats)
 
     def bind_surface(self, surface: Any) -> None:
         """Read and write `surface` in place when an argument's data pointer is its base address."""

@@ -16,7 +16,7 @@ from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
 
-__all__ = ["Method", "as_array"]
+__all__ = ["Method", "PreparedCall", "as_array"]
 
 log = logging.getLogger("onecopy")
 
@@ -123,35 +123,49 @@ class Method:
 
     def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Run the method. `outputs`: caller-provided storage per output (None entries are allocated)."""
+        values, storage = self._arguments(inputs, outputs)
+        stats = CopyStats()
+        for ins in self._definition.instructions:
+            if isinstance(ins, DelegateCall):
+                args = [values[v] for v in ins.inputs]
+                produced = self._delegates[ins.delegate].execute(args, [storage.get(v) for v in ins.outputs], stats)
+                for vid, array in zip(ins.outputs, produced):
+                    values[vid] = array
+            else:
+                self._run_host_op(ins, values)
+        return self._results(values, storage, outputs, stats)
+
+    def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> PreparedCall:
+        """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
+        over bound surfaces, say), as ONNX Runtime's IOBinding does. The arrays are checked here, once: a run
+        reads whatever they hold then. Not for concurrent use; prepare one per thread."""
+        values, storage = self._arguments(inputs, outputs)
+        return PreparedCall(self, values, storage, outputs)
+
+    def _arguments(
+        self, inputs: Sequence[Any], outputs: Sequence[Any] | None
+    ) -> tuple[list[Any], dict[int, np.ndarray]]:
+        """The value table with inputs (checked) and constants in place, and the caller's output storage."""
         if self._closed.is_set():
             raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
         definition, meta = self._definition, self._meta
         if len(inputs) != len(meta.inputs):
             raise ExecutionError(f"Method '{self.name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
         values: list[Any] = [None] * definition.num_values
-        values_set = values.__setitem__
         symbols: dict[str, int] = {}
         for i, (value, vid, tmeta) in enumerate(zip(inputs, definition.inputs, meta.inputs)):
             what = f"Input {i} of method '{self.name}'"
             array = as_array(value, what)
             _check_tensor(array, tmeta, symbols, what, definition.symbols)
-            values_set(vid, array)
+            values[vid] = array
         for vid, constant in self._constants.items():
-            values_set(vid, constant)
+            values[vid] = constant
+        return values, self._output_storage(outputs)
 
-        storage = self._output_storage(outputs)
-        stats = CopyStats()
-        for ins in definition.instructions:
-            if isinstance(ins, DelegateCall):
-                args = [values[v] for v in ins.inputs]
-                produced = self._delegates[ins.delegate].execute(args, [storage.get(v) for v in ins.outputs], stats)
-                for vid, array in zip(ins.outputs, produced):
-                    values_set(vid, array)
-            else:
-                self._run_host_op(ins, values)
-
+    def _results(self, values: list[Any], storage: dict[int, np.ndarray], outputs: Sequence[Any] | None,
+                 stats: CopyStats) -> list[np.ndarray]:
         results = []
-        for vid, out in zip(definition.outputs, outputs or [None] * len(definition.outputs)):
+        for vid, out in zip(self._definition.outputs, outputs or [None] * len(self._definition.outputs)):
             result = values[vid]
             if out is not None and result is not storage.get(vid):
                 np.copyto(storage[vid], result)
@@ -210,3 +224,42 @@ class Method:
         else:
             for vid, array in zip(ins.outputs, result):
                 values[vid] = np.asarray(array)
+
+
+class PreparedCall:
+    """A call of a method on fixed input and output arrays (`Method.prepare`): `run()` runs it on what they hold
+    now. A method that is one delegate call runs the delegate's plan (for IREE: the engine arguments built once,
+    bound surfaces handed over as their views), so a run does no per-argument work; any other method runs as
+    `execute` would. Not for concurrent use."""
+
+    def __init__(self, method: Method, values: list[Any], storage: dict[int, np.ndarray],
+                 outputs: Sequence[Any] | None) -> None:
+        self._method = method
+        self._values = values
+        self._storage = storage
+        self._outputs = outputs
+        definition = method._definition
+        (single,) = definition.instructions if len(definition.instructions) == 1 else (None,)
+        self._planned = None
+        self._produces: list[int] = []
+        if isinstance(single, DelegateCall):
+            self._produces = list(single.outputs)
+            self._planned = method._delegates[single.delegate].prepare(
+                [values[v] for v in single.inputs], [storage.get(v) for v in single.outputs])
+
+    @property
+    def last_copy_stats(self) -> CopyStats:
+        return self._method.last_copy_stats
+
+    def run(self) -> list[np.ndarray]:
+        method = self._method
+        if method._closed.is_set():
+            raise ExecutionError(f"Method '{method.name}' belongs to a closed program; load the program again.")
+        if self._planned is None:
+            inputs = [self._values[v] for v in method._definition.inputs]
+            return method.execute(inputs, self._outputs)
+        stats = CopyStats()
+        values = list(self._values)
+        for vid, array in zip(self._produces, self._planned(stats)):
+            values[vid] = array
+        return method._results(values, self._storage, self._outputs, stats)

@@ -15,7 +15,6 @@ import mmap
 import struct
 import threading
 import time
-from collections import Counter
 
 from onecopy.errors import InvalidArgument, OnecopyError
 
@@ -48,7 +47,8 @@ class SurfaceLock:
         # Guards the in-process state below; flock alone cannot, since threads share one file description.
         self.cond = threading.Condition()
         self._readers = 0
-        self._reader_threads: Counter[int] = Counter()
+        self._reader_threads: dict[int, int] = {}  # thread -> read locks it holds
+        self._waiting = 0  # threads in cond.wait(): a release wakes them only if there are any
         self._writer_thread: int | None = None
 
     def mark_closed(self) -> None:
@@ -74,11 +74,10 @@ class SurfaceLock:
             self._check_open()
             # Fast path: another thread of this process already holds the shared flock.
             if readonly and self._readers and self._writer_thread is None:
-                self._reader_threads[thread] += 1
-                self._readers += 1
+                self._take_read(thread)
                 return
             # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
-            if self._writer_thread == thread or (not readonly and self._reader_threads[thread]):
+            if self._writer_thread == thread or (not readonly and thread in self._reader_threads):
                 raise InvalidArgument(
                     f"Surface '{self._name}': this thread already holds a lock on it; a write lock cannot be nested. "
                     "Leave the outer `with surface.lock()` block first."
@@ -111,12 +110,16 @@ class SurfaceLock:
                         f"Surface '{self._name}' is locked by another process or thread; could not take the {mode} "
                         f"lock {waited}. Retry later or pass a longer timeout=."
                     )
-                self.cond.wait(poll if remaining is None else min(poll, remaining))
+                self._waiting += 1
+                try:
+                    self.cond.wait(poll if remaining is None else min(poll, remaining))
+                finally:
+                    self._waiting -= 1
                 poll = min(poll * 2, _POLL_MAX_S)
 
     def _take_read(self, thread: int) -> None:
         self._readers += 1
-        self._reader_threads[thread] += 1
+        self._reader_threads[thread] = self._reader_threads.get(thread, 0) + 1
 
     def release(self, readonly: bool) -> None:
         """Give back the lock the calling thread took with `acquire(readonly)`."""
@@ -125,8 +128,10 @@ class SurfaceLock:
             try:
                 if readonly:
                     self._readers -= 1
-                    self._reader_threads[thread] -= 1
-                    if self._reader_threads[thread] == 0:
+                    held = self._reader_threads[thread] - 1
+                    if held:
+                        self._reader_threads[thread] = held
+                    else:
                         del self._reader_threads[thread]
                     if self._readers == 0:
                         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -138,4 +143,5 @@ class SurfaceLock:
                         self._writer_thread = None
                         fcntl.flock(self._fd, fcntl.LOCK_UN)
             finally:
-                self.cond.notify_all()
+                if self._waiting:
+                    self.cond.notify_all()
