@@ -7,6 +7,7 @@ Layout of a cache directory (format version in the path, so a new format never r
                                          holds the encoded weights only (the file still anchors the entry's lock)
     <dir>/v1/entries/<key>/encoded.bin   the weights encoded (packed) for this machine, each distinct page once
     <dir>/v1/entries/<key>/entry.json    sizes, checksums and what it was built from
+    <dir>/v1/entries/<key>/verified      stat stamp of encoded.bin at its last full check (see Guarantees)
     <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
     <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
     <dir>/v1/tmp/                        entries being written; published by one rename
@@ -17,7 +18,7 @@ Guarantees:
 - A restored entry is checked against its recorded sizes and checksums (xxh3-128; sha256 of the encoded weights
   would cost a warm load ~80 ms); a bad one is removed, with a warning, and specialized again. The module is
   checksummed on every restore. The encoded weights (as large as the model) are checksummed in full until they
-  pass once; the index then records their stat stamp (inode, size, mtime, ctime), and later restores rehash only
+  pass once; the entry then records their stat stamp (inode, size, mtime, ctime), and later restores rehash only
   if it moved: any write, truncation or replacement through the filesystem does. `onecopy cache verify` always
   checks every byte. Entries are never unpickled: JSON metadata and a vmfb, nothing else.
 - Within a process, concurrent first loads of one key specialize once (a lock per key); across processes a file
@@ -80,6 +81,7 @@ _TMP_MAX_AGE_S = 24 * 3600
 _MODULE = "module.vmfb"
 _ENCODED = "encoded.bin"
 _META = "entry.json"
+_VERIFIED = "verified"  # stat stamp of encoded.bin when it last passed a full check (not part of the entry's files)
 
 
 def default_cache_dir() -> Path:
@@ -178,6 +180,24 @@ def _stamp(st: os.stat_result) -> str:
     the filesystem moves ctime, which no user call can set back; so weights whose stamp matches the one recorded
     at their last full check are the bytes that passed it (the approach Bazel and git take to skip rehashing)."""
     return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _read_stamp(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _write_stamp(path: Path, stamp: str) -> None:
+    """Record a stamp atomically (concurrent restores may write the same one); a failure only costs a rehash."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        tmp.write_text(stamp)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("cache: could not record the verified stamp %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
 
 
 def _settled(st: os.stat_result) -> bool:
@@ -344,7 +364,7 @@ class SpecializationCache:
             fd = None
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_SH)  # from here on no process evicts it under us
-        trusted = self.index.touch(key)
+        trusted = _read_stamp(path / _VERIFIED)
         result = self._open_checked(key, trusted)
         if isinstance(result, str):
             if fd is not None:
@@ -355,7 +375,8 @@ class SpecializationCache:
             return None
         maps, meta, stamp = result
         if stamp is not None:
-            self.index.mark_verified(key, stamp)
+            _write_stamp(path / _VERIFIED, stamp)
+        self.index.touch_later(key)
         return CacheEntry(key, path / _MODULE, fd, maps, meta.get("encoded", []))  # type: ignore[arg-type]
 
     def _publish(self, key: str, result: "Specialization", **info: str) -> None:
