@@ -102,6 +102,24 @@ def vm_instance() -> Any:
         return _instance
 
 
+# Per-worker "local memory" of IREE's task executor: scratch that a dispatch may declare (workgroup memory). IREE
+# reserves the CPU's L2 size per worker by default, resident: 2 workers x 2 MiB = +4 MiB of private memory in
+# every process, most of what a process adds beyond the weights it shares (4 processes on one program: 4.1x the
+# anonymous memory of one). onecopy's CPU code declares none (LLVM CPU codegen keeps tiles on the stack), so it
+# reserves IREE's originally intended 64 KiB; a dispatch that needed more would fail with IREE's error naming the
+# amount. IREE_PY_RUNTIME_FLAGS with --task_worker_local_memory still decides, when a user sets it.
+TASK_WORKER_LOCAL_MEMORY = 64 * 1024
+
+
+def _configure_task_executor() -> None:
+    import os
+
+    import iree.runtime.flags as flags
+
+    if "task_worker_local_memory" not in os.environ.get("IREE_PY_RUNTIME_FLAGS", ""):
+        flags.parse_flags(f"--task_worker_local_memory={TASK_WORKER_LOCAL_MEMORY}")
+
+
 def hal_device(driver: str) -> Any:
     """One device per driver per process: creating a `local-task` device starts a thread pool."""
     import iree.runtime as ireert
@@ -109,6 +127,8 @@ def hal_device(driver: str) -> Any:
     with _lock:
         device = _devices.get(driver)
         if device is None:
+            if driver == "local-task":
+                _configure_task_executor()  # read when the executor is made: before the first local-task device
             device = ireert.get_driver(driver).create_default_device()
             _devices[driver] = device
         return device
