@@ -12,6 +12,7 @@ import torch
 from onecopy.export import CompileSpec, export_program
 from onecopy.models import attention_block, builtin_methods, builtin_model
 from onecopy.program import ProgramFile
+from onecopy.surface import Surface
 
 PACKAGINGS = ("mlir", "vmfb")
 
@@ -140,3 +141,19 @@ def isolated_cache(tmp_path_factory):
         os.environ.pop("ONECOPY_CACHE_DIR", None)
     else:
         os.environ["ONECOPY_CACHE_DIR"] = previous
+
+
+@pytest.fixture
+def surfaces():
+    """Surface.create that closes and unlinks everything it made after the test."""
+    made = []
+
+    def create(*args, **kwargs):
+        surface = Surface.create(*args, **kwargs)
+        made.append(surface)
+        return surface
+
+    yield create
+    for surface in made:
+        surface.close()
+        surface.unlink()

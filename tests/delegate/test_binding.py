@@ -1,4 +1,3 @@
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from onecopy import Runtime, Surface
+from onecopy import Runtime
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import hal_device
 from onecopy.errors import ExecutionError, InvalidArgument
@@ -42,21 +41,6 @@ def scale_bias(tmp_path_factory):
 @pytest.fixture(scope="module")
 def add_one(tmp_path_factory):
     return export_frame(AddOne(), SHAPE).save(tmp_path_factory.mktemp("frames") / "add_one.onecopy")
-
-
-@pytest.fixture
-def surfaces():
-    made = []
-
-    def make(height, width, dtype="float16"):
-        surface = Surface.create(height, width, dtype, name=f"test-{os.getpid()}-{len(made)}")
-        made.append(surface)
-        return surface
-
-    yield make
-    for surface in made:
-        surface.close()
-        surface.unlink()
 
 
 def frame(surface, shape=SHAPE):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from onecopy.surface import SHM_DIR, Surface
+from onecopy.surface import SHM_DIR
 
 NAME_RULE = "use 1 to 128 characters from A-Z a-z 0-9 _ . - (e.g. 'camera0')."
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,22 +37,6 @@ def name(request):
     chosen = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{RUN}-{request.node.name}")[:100]
     yield chosen
     Path(SHM_DIR, f"onecopy-{chosen}").unlink(missing_ok=True)
-
-
-@pytest.fixture
-def surfaces():
-    """Surface.create that closes and unlinks everything it made after the test."""
-    made = []
-
-    def create(*args, **kwargs):
-        surface = Surface.create(*args, **kwargs)
-        made.append(surface)
-        return surface
-
-    yield create
-    for surface in made:
-        surface.close()
-        surface.unlink()
 
 
 def child(*args: str) -> subprocess.CompletedProcess:
