@@ -6,12 +6,11 @@ parameters) is immutable and safe to share; each call runs in a VM context check
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,18 +207,20 @@ class LoadedModel:
             self.contexts_created += 1
         return context
 
-    @contextlib.contextmanager
-    def context(self) -> Iterator[Any]:
-        """A VM context for the caller's exclusive use during one call."""
-        with self._pool_lock:
-            context = self._pool.pop() if self._pool else None
+    def invoke(self, vm_function: Any, args: Any, results: Any) -> None:
+        """Invoke `vm_function` in a VM context checked out for this call alone (made when none is free). Plain
+        pop/append rather than a context manager: this runs on every call, right after the engine has left the
+        interpreter's caches cold."""
+        pool, lock = self._pool, self._pool_lock
+        with lock:
+            context = pool.pop() if pool else None
         if context is None:
             context = self._new_context()
         try:
-            yield context
+            context.invoke(vm_function, args, results)
         finally:
-            with self._pool_lock:
-                self._pool.append(context)
+            with lock:
+                pool.append(context)
 
     def function(self, name: str, *, outputs_in_place: bool = False) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
@@ -307,11 +308,14 @@ class EngineFunction:
         return self.rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
 
     def invoke(self, args: Any, results: Any) -> None:
-        with self.model.context() as context:
-            try:
-                context.invoke(self._vm_function, args, results)
-            except RuntimeError as e:
-                raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}") from e
+        try:
+            self.model.invoke(self._vm_function, args, results)
+        except RuntimeError as e:
+            hint = ""
+            if "local memory" in str(e):  # a dispatch wants more than TASK_WORKER_LOCAL_MEMORY per worker
+                hint = (" Give IREE's workers more local memory: set IREE_PY_RUNTIME_FLAGS="
+                        "--task_worker_local_memory=<bytes> before the first load in this process.")
+            raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}") from e
 
     def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
         rt = self.rt
