@@ -6,21 +6,22 @@ not for sharing across threads): opening and closing one per use cost ~6 ms a re
 checkpoint sqlite runs when the last connection closes. Other processes write the same index; the busy timeout
 makes them take turns, and each use is one short IMMEDIATE transaction.
 
-A restore only counts a use (`touch_later`), and that is off its path: one writer thread per index applies the
-touches (connecting to sqlite costs a process ~3 ms, a third of a warm load). Whatever reads the index (`ls`,
-eviction, `record`) first waits for the touches queued before it, so it never sees an older order than the
-process that asked. Python waits for the writer at exit, so no touch is lost.
+A restore only queues its use (`touch_later`): connecting to sqlite costs a process ~3 ms, a third of a warm
+load, and even on another thread it competed with the load for the GIL. A daemon writer applies the queued uses
+in one transaction a moment later (`TOUCH_DELAY_S`, once the load has returned its first result), at once when
+anything in the process reads the index (`ls`, eviction, `record`: they never see an older order than the
+process that asked), and at exit. A forked child drops what its parent queued (the parent writes those).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,63 @@ from pathlib import Path
 __all__ = ["EntryInfo", "CacheIndex"]
 
 log = logging.getLogger("onecopy")
+
+TOUCH_DELAY_S = 0.25  # a warm load returns its first result within ~10 ms; its use is written after that
+
+
+class _Uses:
+    """Uses of entries (key, time) waiting to be written by `apply`, on a daemon thread; see the module doc."""
+
+    def __init__(self, apply: Callable[[list[tuple[str, float]]], None]) -> None:
+        self._apply = apply
+        self._cond = threading.Condition()
+        self._queued: list[tuple[str, float]] = []
+        self._writing = False
+        self._urgent = False
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        atexit.register(self.flush)
+
+    def _own(self) -> None:
+        """A forked child: the parent's queue and writer are the parent's. Call under `_cond`."""
+        if self._pid != os.getpid():
+            self._pid, self._queued, self._thread, self._writing = os.getpid(), [], None, False
+
+    def add(self, key: str) -> None:
+        with self._cond:
+            self._own()
+            self._queued.append((key, time.time()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="onecopy-cache-index", daemon=True)
+                self._thread.start()
+
+    def flush(self) -> None:
+        """Write every use queued so far, now, and return when they are written."""
+        with self._cond:
+            self._own()
+            self._urgent = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._queued and not self._writing, timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._urgent, timeout=TOUCH_DELAY_S)
+                batch, self._queued = self._queued, []
+                if not batch:
+                    self._thread = None
+                    self._urgent = False
+                    self._cond.notify_all()
+                    return
+                self._writing = True
+            try:
+                self._apply(batch)
+            except sqlite3.Error as e:  # the order of eviction is advisory: a lost use is worth a warning only
+                log.warning("cache index: could not record %d use(s): %s", len(batch), e)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -50,10 +108,7 @@ class CacheIndex:
     def __init__(self, path: Path):
         self.path = path
         self._local = threading.local()
-        self._writer: ThreadPoolExecutor | None = None
-        self._writer_pid = 0  # a forked child has no writer thread: it starts its own
-        self._pending: list[Future] = []
-        self._guard = threading.Lock()
+        self._uses = _Uses(self._apply_uses)
 
     def _connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -104,31 +159,17 @@ class CacheIndex:
             db.execute("UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (time.time(), key))
 
     def touch_later(self, key: str) -> None:
-        """Count a use of `key` on the index's writer thread (the time of the use is taken now)."""
-        used = time.time()
+        """Count a use of `key` (at this time) soon, off the caller's path."""
+        self._uses.add(key)
 
-        def apply() -> None:
-            try:
-                with self._db() as db:
-                    db.execute("UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + 1 WHERE key = ?",
-                               (used, key))
-            except sqlite3.Error as e:  # the order of eviction is advisory: a lost touch is worth a warning only
-                log.warning("cache index %s: could not record a use of %s: %s", self.path, key[:12], e)
-
-        with self._guard:
-            if self._writer is None or self._writer_pid != os.getpid():
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onecopy-cache-index")
-                self._writer_pid = os.getpid()
-                self._pending = []
-            self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._writer.submit(apply))
+    def _apply_uses(self, uses: list[tuple[str, float]]) -> None:
+        with self._db() as db:
+            db.executemany("UPDATE entries SET last_access = MAX(last_access, ?), hits = hits + 1 WHERE key = ?",
+                           [(used, key) for key, used in uses])
 
     def flush(self) -> None:
-        """Wait for the touches queued so far (by this process)."""
-        with self._guard:
-            pending, self._pending = (self._pending, []) if self._writer_pid == os.getpid() else ([], [])
-        for future in pending:
-            future.result()
+        """Write the uses queued so far (by this process)."""
+        self._uses.flush()
 
     def forget(self, key: str) -> None:
         self.flush()
