@@ -33,6 +33,10 @@ class SurfaceBinding:
             raise InvalidArgument(f"{where}: surface '{surface.name}' is closed; open it again before binding it.")
         try:
             self.base_address = surface.base_address
+            # Only page-aligned memory is ever imported: IREE's AVX-512 code may assume 32-byte aligned buffers
+            # (seen here: an imported numpy array 16 bytes off a 32-byte boundary crashed the engine).
+            if self.base_address % 4096:
+                raise InvalidArgument(f"surface data at {self.base_address:#x} is not page-aligned")
             # A reader's lock proves the surface can be locked now (no writer holds it for good); a bound surface
             # is locked around every call that uses it.
             with surface.lock(readonly=True, blocking=False):
