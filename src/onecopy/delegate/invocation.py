@@ -42,16 +42,27 @@ class Invocation:
         rt = function.rt
         self._function = function
         self._outputs = list(outputs)
+        self._in_place = function.outputs_in_place
+        self._result_count = max(len(outputs), 1)
+        self._args: Any = None
         bindings = function.bindings
+        if not bindings and not self._in_place:  # the common call: nothing bound, results returned
+            self._slots: list[Any] = list(inputs)
+            self._copied: list[np.ndarray] = self._slots
+            self._open_checks: list[tuple[SurfaceBinding, str]] = []
+            self._locks: list[tuple[Any, bool]] = []
+            self._staged: list[tuple[int, Any]] = []
+            self._constant = CopyStats(copied_in=sum(array.nbytes for array in inputs))
+            return
         device = function.model.device
 
         def bound(array: np.ndarray | None) -> SurfaceBinding | None:
             return bindings.get(data_pointer(array)) if bindings and array is not None else None
 
         # Per argument: a buffer view (in place) or an array to copy in at each run.
-        self._slots: list[Any] = []
-        self._copied: list[np.ndarray] = []
-        self._open_checks: list[tuple[SurfaceBinding, str]] = []  # bound surfaces: closed ones fail the run
+        self._slots = []
+        self._copied = []
+        self._open_checks = []  # bound surfaces: closed ones fail the run
         locks: dict[str, tuple[Any, bool]] = {}  # surface name -> (surface, readonly); a writer wins
         in_place_in = copied_in = in_place_out = 0
         for i, array in enumerate(inputs):
@@ -68,8 +79,7 @@ class Invocation:
                 self._copied.append(array)
                 copied_in += array.nbytes
 
-        self._in_place = function.outputs_in_place
-        self._staged: list[tuple[int, Any]] = []  # in-place outputs that land in an engine buffer first
+        self._staged = []  # in-place outputs that land in an engine buffer first
         out_bindings = [bound(out) for out in outputs]
         if self._in_place:
             if any(out is None for out in outputs):
@@ -93,9 +103,7 @@ class Invocation:
             self._open_checks.extend((b, f"output {i}") for i, b in enumerate(out_bindings) if b is not None)
         # Taken in name order, so two processes locking the same surfaces never wait on each other in a cycle.
         self._locks = [locks[name] for name in sorted(locks)]
-        self._result_count = max(len(outputs), 1)
         self._constant = CopyStats(copied_in=copied_in, in_place_in=in_place_in, in_place_out=in_place_out)
-        self._args: Any = None
         if not self._copied:  # every argument is a view: one argument list serves every run
             self._args = rt.VmVariantList(len(self._slots))
             for view in self._slots:
