@@ -22,6 +22,12 @@ c. N = 1 and 4 processes each loading the program (share on) and running each me
    libraries) reads each child's /proc/<pid>/smaps_rollup at three stages: after importing python + numpy +
    iree.runtime ("bare"), after importing onecopy, and with the program loaded and run ("ready").
 
+d. N = 1 and 4 workers forked from one process that imported python + numpy + iree.runtime + onecopy (and froze
+   its objects with gc.freeze), each loading the program (share on), running each method once and holding it: the
+   total PSS of the parent and its workers. Forked workers share the parent's interpreter pages until they write
+   to them, which independent processes (c) cannot; a preforking server or multiprocessing's "fork" start method
+   runs workers this way. Information only: it is a way to deploy, not something onecopy does.
+
 Targets (the issue's): a. share on: growth(K=8) <= 1.02 x growth(K=1) (RSS and PSS); b. shared >= 0.95 x
 unshared calls/s (2 threads); c. N = 4 processes on one program: total PSS <= 1.1 x one process. (c) is reported
 both literally (whole processes) and for the part onecopy adds above a bare python + numpy + iree.runtime process.
@@ -289,6 +295,64 @@ def child_pss(path: str, cache_dir: str, repetitions: int) -> None:
     print(json.dumps(runs))
 
 
+def child_forked(path: str, cache_dir: str, repetitions: int) -> None:
+    """(d): this process imports python + numpy + iree.runtime + onecopy, freezes its objects (gc.freeze, so the
+    collector never writes to the shared heap), then forks N workers (N = 1 and 4, alternating) that each load the
+    program (share on), run each method once and hold it; it reads its own and every worker's memory."""
+    import gc
+
+    import iree.runtime  # noqa: F401
+    import numpy as np  # noqa: F401
+
+    import onecopy
+    import onecopy.delegate.backend  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    runs = []
+    for _ in range(repetitions):
+        for n in NS:
+            workers = []  # (pid, ready pipe, release pipe)
+            for _ in range(n):
+                ready_r, ready_w = os.pipe()
+                release_r, release_w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # a worker: never returns into the parent's code
+                    status = 1
+                    try:
+                        os.close(ready_r)
+                        os.close(release_w)
+                        for _, other_ready, other_release in workers:  # the earlier workers' pipe ends
+                            os.close(other_ready)
+                            os.close(other_release)
+                        program = onecopy.Runtime(cache_dir=cache_dir).load_program(
+                            path, backend_options={"IreeBackend": {"share_multifunction_model": True}})
+                        checksum = sum(float(program.load_method(name).execute([x])[0].sum())
+                                       for name, x in _inputs().items())
+                        os.write(ready_w, (json.dumps({"checksum": checksum}) + "\n").encode())
+                        os.read(release_r, 1)  # hold the program until the parent has read our memory
+                        status = 0
+                    finally:
+                        os._exit(status)
+                os.close(ready_w)
+                os.close(release_r)
+                workers.append((pid, ready_r, release_w))
+            infos = []
+            for pid, ready_r, _ in workers:
+                with os.fdopen(ready_r) as ready:
+                    line = ready.readline()
+                if not line:
+                    raise SystemExit(f"forked worker {pid} died before it was ready")
+                infos.append(json.loads(line))
+            readings = [common.smaps_rollup()] + [common.smaps_rollup(pid) for pid, _, _ in workers]
+            for pid, _, release_w in workers:
+                os.write(release_w, b"x")
+                os.close(release_w)
+                os.waitpid(pid, 0)
+            runs.append({"n": n, "processes": readings, "workers": infos})
+    print(json.dumps(runs))
+
+
 # -- parent -----------------------------------------------------------------------------------------------------
 
 
@@ -404,6 +468,13 @@ def main() -> int:
         if any(set(c["states"]) != {"restored"} for c in children) or len({c["checksum"] for c in children}) != 1:
             raise SystemExit(f"unexpected states or results in (c): {children[:2]}")
 
+        # d. N workers forked from one parent
+        print(f"(d) N = {', '.join(map(str, NS))} workers forked from one parent, {reps_pss} repetition(s)...",
+              flush=True)
+        forked_runs = run_child("forked", path, cache, reps_pss, cache_dir=cache)
+        if len({w["checksum"] for r in forked_runs for w in r["workers"]} | {children[0]["checksum"]}) != 1:
+            raise SystemExit("forked workers computed other results than the independent processes")
+
     # -- a: tables and targets
     growth = growth_table(growth_runs)
     rows = []
@@ -471,6 +542,16 @@ def main() -> int:
           f"{common.mib(p1['growth_above_imported_by_kind']['Pss_Anon'])} -> "
           f"{common.mib(p4['growth_above_imported_by_kind']['Pss_Anon'])} MiB)")
 
+    forked = {n: {f: common.median([sum(proc[f] for proc in r["processes"]) for r in forked_runs if r["n"] == n])
+                  for f in ("Pss", "Rss", "Pss_Anon", "Pss_File")} for n in NS}
+    ratio_forked = forked[4]["Pss"] / forked[1]["Pss"]
+    common.print_table(["N workers (+ their parent)", "PSS MiB", "PSS anon", "PSS file", "RSS MiB"],
+                       [[n, common.mib(forked[n]["Pss"]), common.mib(forked[n]["Pss_Anon"]),
+                         common.mib(forked[n]["Pss_File"]), common.mib(forked[n]["Rss"])] for n in NS],
+                       title="(d) total PSS of a parent that imported onecopy and N workers forked from it, each "
+                             "holding the program")
+    print(f"forked workers: N=4 / N=1 {ratio_forked:.2f}x (independent processes: {ratio_literal:.2f}x)")
+
     explain_c = ("PSS splits a shared page among the processes mapping it, so the weights (program file and cache "
                  "entry, mapped read-only) count once in the total; each process's private memory (interpreter "
                  "heap, module objects, relocated library data, VM contexts) counts in full once per process")
@@ -489,6 +570,9 @@ def main() -> int:
                       "issue target, literal reading: " + explain_c),
         common.target("(c) PSS above bare python+numpy+iree.runtime, N=4 / N=1", ratio_above_bare, "<=", TARGET_N,
                       "issue target, onecopy-attributable reading (onecopy import + load + run): " + explain_c),
+        common.target("(d) total PSS, 4 forked workers / 1 (parent included)", ratio_forked, "<=", TARGET_N,
+                      "for information: workers forked from a parent that imported onecopy share its interpreter "
+                      "pages until they write them"),
         common.target("(c) PSS of load+run only (above onecopy imported), N=4 / N=1", ratio_load, "<=", TARGET_N,
                       "for information: the program's memory alone"),
         common.target("(c) file-backed PSS of load+run (weights, module), N=4 / N=1", kinds["Pss_File"], "<=",
@@ -518,6 +602,7 @@ def main() -> int:
                                                               "load_and_run_only": ratio_load,
                                                               "load_and_run_by_kind": kinds},
                         "runs": pss_runs, "other_processes_cpu": pss_others, "explanation": explain_c},
+        "d_forked_workers": {"totals_median": forked, "n4_over_n1_pss": ratio_forked, "runs": forked_runs},
         "child_failures": CHILD_FAILURES,
         "targets": targets,
         "all_issue_targets_met": all(t["met"] for t in targets if t["note"].startswith("issue target")),
@@ -538,6 +623,8 @@ if __name__ == "__main__":
             child_hold(rest[0], rest[1])
         elif mode == "pss":
             child_pss(rest[0], rest[1], int(rest[2]))
+        elif mode == "forked":
+            child_forked(rest[0], rest[1], int(rest[2]))
         else:
             raise SystemExit(f"unknown child mode {mode}")
     else:
