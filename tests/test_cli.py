@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from onecopy.cli import main
+from onecopy.delegate.targets import host_cpu_target
 from tests.conftest import eager
 
 
@@ -16,6 +17,15 @@ def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
     assert "functions: main (delegates 0)" in out
     assert "parameters 0.05 MiB (each stored once)" in out
     assert "code " in out and "(mlir)" in out
+    assert "parameter encoders" not in out  # mlir: packed at specialization, no encoder in the program
+
+
+def test_inspect_shows_the_parameter_encoder_of_each_vmfb_target(small_vmfb_program_path, capsys):
+    assert main(["inspect", str(small_vmfb_program_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(vmfb)" in out
+    host = host_cpu_target().name  # the fixture's default target: this machine's
+    assert f"parameter encoders (pack the weights once per machine): {host} " in out
 
 
 def test_run_reads_and_writes_npy(small_program_path, small_model, tmp_path, capsys):

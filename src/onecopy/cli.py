@@ -49,6 +49,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")
             print(f"    functions: {', '.join(bundle.functions)} (delegates {', '.join(map(str, bundle.delegates))})")
             print(f"    parameters: {len(bundle.parameters)} shared by its functions, {_mib(sum(bundle.parameters.values()))}")
+            if bundle.encoder_bytes:  # vmfb: the weights each CPU target's code reads packed, made once per machine
+                encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
+                print(f"    parameter encoders (pack the weights once per machine): {encoders}")
     finally:
         loaded.close()
     return 0

@@ -15,6 +15,7 @@ class BundleSummary:
     packaging: str
     code_bytes: dict[str, int]  # bundle key -> bytes
     functions: list[str] = field(default_factory=list)
+    encoder_bytes: dict[str, int] = field(default_factory=dict)  # target -> bytes of its parameter encoder (vmfb)
     parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> bytes
     delegates: list[int] = field(default_factory=list)
 
@@ -39,11 +40,13 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
         if bundle is None:
             keys = manifest.get("bundle", {}) if isinstance(manifest.get("bundle"), dict) else {}
             params = manifest.get("parameters", {}) if isinstance(manifest.get("parameters"), dict) else {}
+            encoders = manifest.get("encoders", {}) if isinstance(manifest.get("encoders"), dict) else {}
             bundle = BundleSummary(
                 export_hash,
                 str(manifest.get("packaging")),
                 {key: sizes.get(key, 0) for key in keys.values()},
                 parameters={name: sizes.get(key, 0) for name, key in params.items()},
+                encoder_bytes={target: sizes.get(key, 0) for target, key in encoders.items()},
             )
             bundles[export_hash] = bundle
         bundle.functions.append(str(manifest.get("function")))
