@@ -10,7 +10,8 @@ A restore only queues its use (`touch_later`): connecting to sqlite costs a proc
 load, and even on another thread it competed with the load for the GIL. A daemon writer applies the queued uses
 in one transaction a moment later (`TOUCH_DELAY_S`, once the load has returned its first result), at once when
 anything in the process reads the index (`ls`, eviction, `record`: they never see an older order than the
-process that asked), and at exit. A forked child drops what its parent queued (the parent writes those).
+process that asked), and at exit. A forked child starts with no queue, writer or connection of its parent's
+(the parent writes what it queued; sqlite connections must not cross a fork).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,22 +40,18 @@ class _Uses:
 
     def __init__(self, apply: Callable[[list[tuple[str, float]]], None]) -> None:
         self._apply = apply
+        self.reset()
+        atexit.register(self.flush)
+
+    def reset(self) -> None:
         self._cond = threading.Condition()
         self._queued: list[tuple[str, float]] = []
         self._writing = False
         self._urgent = False
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-        atexit.register(self.flush)
-
-    def _own(self) -> None:
-        """A forked child: the parent's queue and writer are the parent's. Call under `_cond`."""
-        if self._pid != os.getpid():
-            self._pid, self._queued, self._thread, self._writing = os.getpid(), [], None, False
 
     def add(self, key: str) -> None:
         with self._cond:
-            self._own()
             self._queued.append((key, time.time()))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="onecopy-cache-index", daemon=True)
@@ -62,7 +60,6 @@ class _Uses:
     def flush(self) -> None:
         """Write every use queued so far, now, and return when they are written."""
         with self._cond:
-            self._own()
             self._urgent = True
             self._cond.notify_all()
             self._cond.wait_for(lambda: not self._queued and not self._writing, timeout=60)
@@ -104,11 +101,26 @@ class EntryInfo:
 _COLUMNS = "key, program, packaging, compute_units, target, size, created, last_access, hits"
 
 
+_indexes: weakref.WeakSet[CacheIndex] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    # A forked child has no writer thread, a lock its parent's writer held at the fork would stay held for ever,
+    # and sqlite connections must not cross a fork: each index starts afresh (the parent writes what it queued).
+    for index in list(_indexes):
+        index._local = threading.local()
+        index._uses.reset()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class CacheIndex:
     def __init__(self, path: Path):
         self.path = path
         self._local = threading.local()
         self._uses = _Uses(self._apply_uses)
+        _indexes.add(self)
 
     def _connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
