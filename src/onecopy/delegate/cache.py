@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from onecopy.delegate.cache_index import CacheIndex, EntryInfo
-from onecopy.delegate.page_map import map_pages, write_pages
+from onecopy.delegate.page_map import MAP_POPULATE, map_pages, write_pages
 from onecopy.errors import DelegateError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -165,7 +165,6 @@ class CacheEntry:
         self.close()
 
 
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in as they are read
 _SETTLE_S = 2.0
 
 
@@ -212,7 +211,7 @@ def _map(path: Path) -> mmap.mmap | None:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return None
-        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ)
 
 
 def _fsync_dir(path: Path) -> None:

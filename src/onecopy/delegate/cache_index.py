@@ -149,13 +149,6 @@ class CacheIndex:
                 db.execute("ROLLBACK")
             raise
 
-    def close(self) -> None:
-        """Close this thread's connection (others close when their thread's storage goes)."""
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            self._local.db = None
-            db.close()
-
     def record(self, key: str, *, size: int, program: str, packaging: str, compute_units: str, target: str) -> None:
         now = time.time()
         self.flush()
@@ -164,11 +157,6 @@ class CacheIndex:
                 f"INSERT OR REPLACE INTO entries ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)",
                 (key, program, packaging, compute_units, target, size, now, now),
             )
-
-    def touch(self, key: str) -> None:
-        """Count a use of `key` now."""
-        with self._db() as db:
-            db.execute("UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", (time.time(), key))
 
     def touch_later(self, key: str) -> None:
         """Count a use of `key` (at this time) soon, off the caller's path."""

@@ -26,8 +26,8 @@ from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
-    "compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "LoadedModel",
-    "EngineFunction",
+    "compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "parameter_provider",
+    "LoadedModel", "EngineFunction",
 ]
 
 log = logging.getLogger("onecopy")
@@ -119,6 +119,17 @@ def _configure_task_executor() -> None:
         flags.parse_flags(f"--task_worker_local_memory={TASK_WORKER_LOCAL_MEMORY}")
 
 
+def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool = False) -> Any:
+    """An IREE parameter provider serving `buffers` (name -> buffer) under `scope`. The index keeps a reference to
+    each buffer and reads (or, `writable`, writes) it in place: no copy."""
+    import iree.runtime as ireert
+
+    index = ireert.ParameterIndex()
+    for name, buffer in buffers.items():
+        index.add_buffer(name, buffer, writable=writable)
+    return index.create_provider(scope=scope)
+
+
 def hal_device(driver: str) -> Any:
     """One device per driver per process: creating a `local-task` device starts a thread pool."""
     import iree.runtime as ireert
@@ -158,19 +169,12 @@ class LoadedModel:
         self.target = target
         self._instance = vm_instance()
         self.device = hal_device(target.driver)
-        index = ireert.ParameterIndex()
-        for name, view in parameters.items():
-            # The index keeps a reference to the buffer and reads the program's mapping in place: no copy.
-            index.add_buffer(name, view)
-        providers = [index.create_provider(scope=PARAMETER_SCOPE)]
+        providers = [parameter_provider(parameters, PARAMETER_SCOPE)]
         self.encoded_bytes = sum(memoryview(view).nbytes for view in (encoded or {}).values())  # packed once, shared
         if encoded:
             # Weights packed once at specialization (scope `encoded`): every context reads this one mapped copy
             # instead of packing its own at initialization.
-            encoded_index = ireert.ParameterIndex()
-            for name, view in encoded.items():
-                encoded_index.add_buffer(name, view)
-            providers.append(encoded_index.create_provider(scope=ENCODED_SCOPE))
+            providers.append(parameter_provider(encoded, ENCODED_SCOPE))
         try:
             module = ireert.VmModule.wrap_buffer(self._instance, vmfb)
         except ValueError:  # not aligned for in-place use (e.g. fresh compiler output): take a copy

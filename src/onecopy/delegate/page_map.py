@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["PAGE", "write_pages", "map_pages"]
+__all__ = ["PAGE", "MAP_POPULATE", "write_pages", "map_pages"]
 
 log = logging.getLogger("onecopy")
 
@@ -29,7 +29,7 @@ PAGE = mmap.PAGESIZE
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
 # Fill the page tables at mapping time: the first call reads every weight, and faulting them in one 4 KiB page
 # at a time there costs more than one populate here (the pages are in the page cache after the restore's check).
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 _PROT_NONE = 0
 
 _libc = None
@@ -97,7 +97,7 @@ def map_pages(fd: int, entry: dict, owner: object) -> memoryview:
     try:
         for vpage, fpage, count in entry["runs"]:
             where = base + vpage * PAGE
-            flags = mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE
+            flags = mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE
             got = libc.mmap(where, count * PAGE, mmap.PROT_READ, flags, fd, fpage * PAGE)
             if got != where:
                 raise OSError(ctypes.get_errno(), "mmap of a cache page failed")

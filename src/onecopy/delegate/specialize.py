@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from onecopy.delegate.engine import ENCODED_SCOPE, compile_bundle, compile_bundle_best, hal_device, vm_instance
+from onecopy.delegate.engine import (
+    ENCODED_SCOPE, compile_bundle, compile_bundle_best, hal_device, parameter_provider, vm_instance,
+)
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError
@@ -119,16 +121,12 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
     if "indices" not in functions or "encode" not in functions:
         raise DelegateError(f"The parameter encoder has no indices/encode functions (it has {module.function_names}).")
 
-    source = ireert.ParameterIndex()
-    for name, view in parameters.items():
-        source.add_buffer(name, view)
     # `indices` only describes the outputs; its context still needs the modules the encoder imports.
-    probe_parameters = ireert.create_io_parameters_module(instance, source.create_provider(scope=PARAMETER_SCOPE))
+    probe_parameters = ireert.create_io_parameters_module(instance, parameter_provider(parameters, PARAMETER_SCOPE))
     probe = ireert.VmContext(instance, modules=[ireert.create_hal_module(instance, device), probe_parameters, module])
     results = ireert.VmVariantList(1)
     probe.invoke(functions["indices"], ireert.VmVariantList(0), results)
     outputs: dict[str, np.ndarray] = {}
-    target_index = ireert.ParameterIndex()
     scopes = results.get_as_list(0)
     for s in range(scopes.size):
         scope = scopes.get_as_list(s)
@@ -141,11 +139,10 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
             name = bytes(entry.get_as_object(1, ireert.VmBuffer)).decode()
             size = int(entry.get_variant(3))
             outputs[name] = np.zeros(size, np.uint8)
-            target_index.add_buffer(name, outputs[name], writable=True)
     io_parameters = ireert.create_io_parameters_module(
         instance,
-        source.create_provider(scope=PARAMETER_SCOPE),
-        target_index.create_provider(scope=ENCODED_SCOPE),
+        parameter_provider(parameters, PARAMETER_SCOPE),
+        parameter_provider(outputs, ENCODED_SCOPE, writable=True),
     )
     context = ireert.VmContext(instance, modules=[ireert.create_hal_module(instance, device), io_parameters, module])
     ready = ireert.HalFence.create_at(device.create_semaphore(0), 0)

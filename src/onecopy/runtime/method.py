@@ -106,8 +106,7 @@ class Method:
         """Bind a `Surface` to this method's model instance: when an input's or output's data pointer is the
         surface's base address, the engine reads or writes it in place. Several methods (and programs) may bind
         the same surface, e.g. to chain one model's output into another's input."""
-        if self._closed.is_set():
-            raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
+        self._check_open()
         if not self._delegates:
             raise InvalidArgument(f"Method '{self.name}' runs no delegate; there is no engine to bind a surface to.")
         for handle in self._delegates.values():
@@ -146,8 +145,7 @@ class Method:
         self, inputs: Sequence[Any], outputs: Sequence[Any] | None
     ) -> tuple[list[Any], dict[int, np.ndarray]]:
         """The value table with inputs (checked) and constants in place, and the caller's output storage."""
-        if self._closed.is_set():
-            raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
+        self._check_open()
         definition, meta = self._definition, self._meta
         if len(inputs) != len(meta.inputs):
             raise ExecutionError(f"Method '{self.name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
@@ -177,6 +175,10 @@ class Method:
             log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
                       stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
         return results
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise ExecutionError(f"Method '{self.name}' belongs to a closed program; load the program again.")
 
     def _unplanned(self, index: int) -> str:
         return (f"Output {index} of method '{self.name}' is not memory planned (exported with "
@@ -253,8 +255,7 @@ class PreparedCall:
 
     def run(self) -> list[np.ndarray]:
         method = self._method
-        if method._closed.is_set():
-            raise ExecutionError(f"Method '{method.name}' belongs to a closed program; load the program again.")
+        method._check_open()
         if self._planned is None:
             inputs = [self._values[v] for v in method._definition.inputs]
             return method.execute(inputs, self._outputs)
