@@ -188,8 +188,10 @@ class LoadedModel:
             ireert.create_io_parameters_module(self._instance, *providers),
             module,
         ]
+        # Free VM contexts. list.pop/append are atomic under the GIL, so checking one out takes no lock of ours:
+        # the check-in runs right after the engine has left the interpreter's caches cold (see invocation.py).
         self._pool: list[Any] = []
-        self._pool_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self.contexts_created = 0
         self.load_state = "restored"  # or "specialized": how the backend obtained the code, for its log
         self._pool.append(self._new_context())  # fail at load, not at the first call
@@ -207,24 +209,27 @@ class LoadedModel:
                     f"{self.target.name}. Re-export the program. (IREE: {str(e).strip()})"
                 ) from e
             raise DelegateError(f"{self.where}: IREE could not initialize the module: {e}") from e
-        with self._pool_lock:
+        with self._count_lock:
             self.contexts_created += 1
         return context
 
+    def checkout(self) -> Any:
+        """A VM context for one call alone (made when none is free); give it back with `checkin`."""
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._new_context()
+
+    def checkin(self, context: Any) -> None:
+        self._pool.append(context)
+
     def invoke(self, vm_function: Any, args: Any, results: Any) -> None:
-        """Invoke `vm_function` in a VM context checked out for this call alone (made when none is free). Plain
-        pop/append rather than a context manager: this runs on every call, right after the engine has left the
-        interpreter's caches cold."""
-        pool, lock = self._pool, self._pool_lock
-        with lock:
-            context = pool.pop() if pool else None
-        if context is None:
-            context = self._new_context()
+        """Invoke `vm_function` in a VM context checked out for this call alone."""
+        context = self.checkout()
         try:
             context.invoke(vm_function, args, results)
         finally:
-            with lock:
-                pool.append(context)
+            self._pool.append(context)
 
     def function(self, name: str, *, outputs_in_place: bool = False) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
@@ -237,8 +242,7 @@ class LoadedModel:
 
     def close(self) -> None:
         """Drop the contexts and modules; the cache entry (if any) is released after them."""
-        with self._pool_lock:
-            self._pool.clear()
+        self._pool.clear()
         self._modules = []
         self.module = None
         # The cache entry's lock is released now; the entry itself (its mappings) stays referenced until this
@@ -311,15 +315,23 @@ class EngineFunction:
         )
         return self.rt.HalBufferView(buffer, list(shape), self._element_type(np.dtype(dtype)))
 
+    @property
+    def vm_function(self) -> Any:
+        return self._vm_function
+
     def invoke(self, args: Any, results: Any) -> None:
         try:
             self.model.invoke(self._vm_function, args, results)
         except RuntimeError as e:
-            hint = ""
-            if "local memory" in str(e):  # a dispatch wants more than TASK_WORKER_LOCAL_MEMORY per worker
-                hint = (" Give IREE's workers more local memory: set IREE_PY_RUNTIME_FLAGS="
-                        "--task_worker_local_memory=<bytes> before the first load in this process.")
-            raise ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}") from e
+            raise self.engine_error(e) from e
+
+    def engine_error(self, e: RuntimeError) -> ExecutionError:
+        """The error to raise when IREE failed running this function."""
+        hint = ""
+        if "local memory" in str(e):  # a dispatch wants more than TASK_WORKER_LOCAL_MEMORY per worker
+            hint = (" Give IREE's workers more local memory: set IREE_PY_RUNTIME_FLAGS="
+                    "--task_worker_local_memory=<bytes> before the first load in this process.")
+        return ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}")
 
     def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
         rt = self.rt

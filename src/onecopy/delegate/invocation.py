@@ -40,7 +40,9 @@ class Invocation:
 
     def __init__(self, function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]):
         rt = function.rt
+        self._rt = rt
         self._function = function
+        self._vm_function = function.vm_function
         self._outputs = list(outputs)
         self._in_place = function.outputs_in_place
         self._result_count = max(len(outputs), 1)
@@ -50,7 +52,8 @@ class Invocation:
             self._slots: list[Any] = list(inputs)
             self._copied: list[np.ndarray] = self._slots
             self._open_checks: list[tuple[SurfaceBinding, str]] = []
-            self._locks: list[tuple[Any, bool]] = []
+            self._acquires: list[tuple[Any, bool]] = []
+            self._releases: list[tuple[Any, bool]] = []
             self._staged: list[tuple[int, Any]] = []
             self._constant = CopyStats(copied_in=sum(array.nbytes for array in inputs))
             return
@@ -101,8 +104,11 @@ class Invocation:
                     self._staged.append((i, view))
         else:
             self._open_checks.extend((b, f"output {i}") for i, b in enumerate(out_bindings) if b is not None)
-        # Taken in name order, so two processes locking the same surfaces never wait on each other in a cycle.
-        self._locks = [locks[name] for name in sorted(locks)]
+        # Taken in name order, so two processes locking the same surfaces never wait on each other in a cycle;
+        # given back in the reverse order. Surface.acquire/release are the SurfaceLock's own methods (no wrapper).
+        ordered = [locks[name] for name in sorted(locks)]
+        self._acquires = [(surface.acquire, readonly) for surface, readonly in ordered]
+        self._releases = [(surface.release, readonly) for surface, readonly in reversed(ordered)]
         self._constant = CopyStats(copied_in=copied_in, in_place_in=in_place_in, in_place_out=in_place_out)
         if not self._copied:  # every argument is a view: one argument list serves every run
             self._args = rt.VmVariantList(len(self._slots))
@@ -110,38 +116,45 @@ class Invocation:
                 self._args.push_ref(view)
 
     def run(self, stats: CopyStats | None = None) -> list[np.ndarray]:
+        """Run the planned call on what the arrays hold now. Every decision is taken before the engine runs:
+        after it, the interpreter's caches are cold (see the module docstring), so all that is left there is
+        giving back the locks and the VM context, and the results."""
         stats = stats if stats is not None else CopyStats()
         function = self._function
-        rt = function.rt
         for binding, what in self._open_checks:
             binding.check_open(what)
         args = self._args
         if args is None:
-            args = rt.VmVariantList(len(self._slots))
+            args = self._rt.VmVariantList(len(self._slots))
             copy_in = function.copy_in
             for slot in self._slots:
                 args.push_ref(copy_in(slot) if isinstance(slot, np.ndarray) else slot)
-        results = rt.VmVariantList(self._result_count)
-        locks = self._locks
-        if locks:
+        results = self._rt.VmVariantList(self._result_count)
+        stats.add(self._constant)  # what the plan copies in and uses in place; copies out are added below
+        model = function.model
+        context = model.checkout()
+        taken = 0
+        try:
             # Held for the call: readers share, the surface written in place is exclusive (its generation moves on).
-            taken = 0
-            try:
-                for surface, readonly in locks:
-                    surface.acquire(readonly)
-                    taken += 1
-                function.invoke(args, results)
-            finally:
-                for surface, readonly in reversed(locks[:taken]):
-                    surface.release(readonly)
-        else:
-            function.invoke(args, results)
+            for acquire, readonly in self._acquires:
+                acquire(readonly)
+                taken += 1
+            context.invoke(self._vm_function, args, results)
+        except RuntimeError as e:
+            raise function.engine_error(e) from e
+        finally:
+            model.checkin(context)
+            releases = self._releases
+            if taken < len(releases):
+                releases = releases[len(releases) - taken:]
+            for release, readonly in releases:
+                release(readonly)
 
-        stats.add(self._constant)
         outputs = self._outputs
         if self._in_place:
             for i, view in self._staged:
                 function.copy_out(view, outputs[i], stats)
             return list(outputs)  # type: ignore[arg-type]
+        rt = self._rt
         return [function.copy_out(results.get_as_object(i, rt.HalBufferView), out, stats)
                 for i, out in enumerate(outputs)]

@@ -172,9 +172,12 @@ class Method:
             results.append(result)
         self._local.stats = stats
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
-                      stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
+            self._log_stats(stats)
         return results
+
+    def _log_stats(self, stats: CopyStats) -> None:
+        log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
+                  stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -244,10 +247,15 @@ class PreparedCall:
         (single,) = definition.instructions if len(definition.instructions) == 1 else (None,)
         self._planned = None
         self._produces: list[int] = []
+        self._direct: list[np.ndarray] | None = None
         if isinstance(single, DelegateCall):
             self._produces = list(single.outputs)
             self._planned = method._delegates[single.delegate].prepare(
                 [values[v] for v in single.inputs], [storage.get(v) for v in single.outputs])
+            if list(single.outputs) == list(definition.outputs) and all(v in storage for v in single.outputs):
+                # The delegate fills the caller's storage itself (in place or by its own copy out), which is
+                # exactly what `_results` would return: the run skips it and returns this list.
+                self._direct = [storage[v] for v in single.outputs]
 
     @property
     def last_copy_stats(self) -> CopyStats:
@@ -260,6 +268,14 @@ class PreparedCall:
             inputs = [self._values[v] for v in method._definition.inputs]
             return method.execute(inputs, self._outputs)
         stats = CopyStats()
+        direct = self._direct
+        if direct is not None:
+            debug = log.isEnabledFor(logging.DEBUG)  # decided before the engine runs, like everything else here
+            self._planned(stats)
+            method._local.stats = stats
+            if debug:
+                method._log_stats(stats)
+            return list(direct)
         values = list(self._values)
         for vid, array in zip(self._produces, self._planned(stats)):
             values[vid] = array

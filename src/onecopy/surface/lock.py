@@ -15,6 +15,7 @@ import mmap
 import struct
 import threading
 import time
+from threading import get_ident
 
 from onecopy.errors import InvalidArgument, OnecopyError
 
@@ -44,8 +45,11 @@ class SurfaceLock:
         self._map = surface_map
         self._generation_at = generation_at
         self.closed = False
-        # Guards the in-process state below; flock alone cannot, since threads share one file description.
-        self.cond = threading.Condition()
+        # Guards the in-process state below; flock alone cannot, since threads share one file description. A plain
+        # Lock, entered directly on the fast paths: a bound surface is locked around every engine call, and what
+        # runs after a call that streamed a frame runs cache-cold (a Python-level RLock/Condition enter costs more).
+        self._mutex = threading.Lock()
+        self.cond = threading.Condition(self._mutex)
         self._readers = 0
         self._reader_threads: dict[int, int] = {}  # thread -> read locks it holds
         self._waiting = 0  # threads in cond.wait(): a release wakes them only if there are any
@@ -67,15 +71,31 @@ class SurfaceLock:
             return "a write lock"
         return f"{self._readers} read lock(s)" if self._readers else None
 
-    def acquire(self, readonly: bool, timeout: float | None = None) -> None:
+    def acquire(self, readonly: bool = False, timeout: float | None = None) -> None:
         """Take the lock for the calling thread; `timeout` seconds (0: don't wait) or None (wait for ever)."""
-        thread = threading.get_ident()
+        thread = get_ident()
+        with self._mutex:  # fast path: the lock is free in this process and the flock is granted at once
+            if not self.closed and self._writer_thread is None:
+                if readonly:
+                    if self._readers or self._try_flock(fcntl.LOCK_SH):
+                        self._take_read(thread)
+                        return
+                elif not self._readers and self._try_flock(fcntl.LOCK_EX):
+                    self._writer_thread = thread
+                    return
+        self._acquire_waiting(readonly, timeout, thread)
+
+    def _try_flock(self, operation: int) -> bool:
+        try:
+            fcntl.flock(self._fd, operation | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def _acquire_waiting(self, readonly: bool, timeout: float | None, thread: int) -> None:
+        """The slow path of `acquire`: closed, nested, or held elsewhere (then poll until free or timed out)."""
         with self.cond:
             self._check_open()
-            # Fast path: another thread of this process already holds the shared flock.
-            if readonly and self._readers and self._writer_thread is None:
-                self._take_read(thread)
-                return
             # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
             if self._writer_thread == thread or (not readonly and thread in self._reader_threads):
                 raise InvalidArgument(
@@ -90,11 +110,7 @@ class SurfaceLock:
                     self._take_read(thread)  # this process already holds the shared flock
                     return
                 if self._writer_thread is None and (readonly or not self._readers):
-                    try:
-                        fcntl.flock(self._fd, (fcntl.LOCK_SH if readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        pass
-                    else:
+                    if self._try_flock(fcntl.LOCK_SH if readonly else fcntl.LOCK_EX):
                         if readonly:
                             self._take_read(thread)
                         else:
@@ -121,10 +137,10 @@ class SurfaceLock:
         self._readers += 1
         self._reader_threads[thread] = self._reader_threads.get(thread, 0) + 1
 
-    def release(self, readonly: bool) -> None:
+    def release(self, readonly: bool = False) -> None:
         """Give back the lock the calling thread took with `acquire(readonly)`."""
-        thread = threading.get_ident()
-        with self.cond:
+        thread = get_ident()
+        with self._mutex:
             try:
                 if readonly:
                     self._readers -= 1

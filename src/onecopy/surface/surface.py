@@ -88,6 +88,11 @@ class Surface:
         self._closed = False
         self._lock = SurfaceLock(_fd, _name, _map, GENERATION_AT)
         self._cond = self._lock.cond  # also guards `_closed` and the exports
+        # acquire(readonly=False, timeout=None) / release(readonly=False): the lock without a view, the cheap half
+        # of `lock()` for a caller that holds a surface around every call (the engine does, for bound surfaces).
+        # Pair them in one thread. The lock's own methods, bound here: no wrapper frame on the engine's hot path.
+        self.acquire = self._lock.acquire
+        self.release = self._lock.release
         self._unlinked_here = False
         # A surface dropped without close() still gives its descriptor back; the map goes with the last view.
         self._finalizer = weakref.finalize(self, os.close, _fd)
@@ -286,14 +291,6 @@ class Surface:
             yield view
         finally:
             self._lock.release(readonly)
-
-    def acquire(self, readonly: bool = False) -> None:
-        """Take the lock without a view: the cheap half of `lock()` for callers that hold a surface around every
-        call (the engine does, for bound surfaces). Pair it with `release(readonly)` in the same thread."""
-        self._lock.acquire(readonly)
-
-    def release(self, readonly: bool = False) -> None:
-        self._lock.release(readonly)
 
     def close(self) -> None:
         """Stop using the surface in this process. Idempotent; never removes the name (see `unlink`).
