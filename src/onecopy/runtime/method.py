@@ -77,6 +77,11 @@ class Method:
             for c in definition.constants
         }
         self._local = threading.local()  # last_copy_stats, per calling thread
+        # The method is one delegate call producing exactly the method's outputs (the common case): execute and
+        # prepared calls hand its results back as they come, with nothing to gather afterwards.
+        (single,) = definition.instructions if len(definition.instructions) == 1 else (None,)
+        self._whole_call: DelegateCall | None = (
+            single if isinstance(single, DelegateCall) and list(single.outputs) == list(definition.outputs) else None)
         self._all_planned = all(o.memory_planned for o in meta.outputs)
         self._kernels = {}
         for ins in definition.instructions:
@@ -124,6 +129,16 @@ class Method:
         """Run the method. `outputs`: caller-provided storage per output (None entries are allocated)."""
         values, storage = self._arguments(inputs, outputs)
         stats = CopyStats()
+        whole = self._whole_call
+        if whole is not None and not storage:
+            # Decided before the engine runs: what runs after it runs with the interpreter's caches cold.
+            debug = log.isEnabledFor(logging.DEBUG)
+            produced = self._delegates[whole.delegate].execute([values[v] for v in whole.inputs],
+                                                               [None] * len(whole.outputs), stats)
+            self._local.stats = stats
+            if debug:
+                self._log_stats(stats)
+            return produced
         for ins in self._definition.instructions:
             if isinstance(ins, DelegateCall):
                 args = [values[v] for v in ins.inputs]
@@ -252,7 +267,7 @@ class PreparedCall:
             self._produces = list(single.outputs)
             self._planned = method._delegates[single.delegate].prepare(
                 [values[v] for v in single.inputs], [storage.get(v) for v in single.outputs])
-            if list(single.outputs) == list(definition.outputs) and all(v in storage for v in single.outputs):
+            if method._whole_call is not None and all(v in storage for v in single.outputs):
                 # The delegate fills the caller's storage itself (in place or by its own copy out), which is
                 # exactly what `_results` would return: the run skips it and returns this list.
                 self._direct = [storage[v] for v in single.outputs]
