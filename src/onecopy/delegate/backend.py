@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabled, cache_key, open_cache
+from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
 from onecopy.delegate.specialize import Specialization, encode, specialize
@@ -73,7 +74,9 @@ class IreeDelegate(DelegateHandle):
 
     def destroy(self) -> None:
         release, self._release = self._release, None
-        self._function = None
+        function, self._function = self._function, None
+        if function is not None and function.bindings:
+            quarantine.hold([obj for b in function.bindings.values() for obj in b.handed_to_engine])
         self.model = None
         if release is not None:
             release()

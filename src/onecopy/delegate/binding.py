@@ -48,6 +48,7 @@ class SurfaceBinding:
         self.dense = surface.dense
         # Hold a view: it keeps the mapping alive for the engine even if the surface is closed meanwhile.
         self._array = surface.array(include_padding=True) if self.dense else surface.array()
+        self.handed_to_engine = [self._array]  # imported by IREE; held past the delegate's end (quarantine.py)
         self._lock = threading.Lock()  # serializes remakes; readers take `_cached` without it
         self._cached: tuple[tuple, Any] | None = None
         self.views_made = 0

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.invocation import Invocation
 from onecopy.delegate.manifest import PARAMETER_SCOPE
@@ -213,6 +214,9 @@ class LoadedModel:
         # Hold the bytes (and the cache entry they map) so the wrapped module is never freed under the engine.
         self._vmfb = vmfb
         self._keepalive = keepalive
+        # Everything IREE may still release from its own threads after a close (see quarantine.py).
+        self.handed_to_engine = [vmfb, *parameters.values(), *(encoded or {}).values(), keepalive]
+        quarantine.track(self)
         self.module = module
         self._modules = [
             ireert.create_hal_module(self._instance, self.device),
@@ -254,14 +258,6 @@ class LoadedModel:
     def checkin(self, context: Any) -> None:
         self._pool.append(context)
 
-    def invoke(self, vm_function: Any, args: Any, results: Any) -> None:
-        """Invoke `vm_function` in a VM context checked out for this call alone."""
-        context = self.checkout()
-        try:
-            context.invoke(vm_function, args, results)
-        finally:
-            self._pool.append(context)
-
     def function(self, name: str, *, outputs_in_place: bool = False) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
         if vm_function is None:
@@ -276,6 +272,8 @@ class LoadedModel:
         self._pool.clear()
         self._modules = []
         self.module = None
+        # IREE's workers may drop their references to our buffers a moment after the last call returned.
+        quarantine.hold(self.handed_to_engine)
         # The cache entry's lock is released now; the entry itself (its mappings) stays referenced until this
         # model is collected, so no engine object can outlive the memory it reads.
         keepalive = self._keepalive
@@ -349,12 +347,6 @@ class EngineFunction:
     @property
     def vm_function(self) -> Any:
         return self._vm_function
-
-    def invoke(self, args: Any, results: Any) -> None:
-        try:
-            self.model.invoke(self._vm_function, args, results)
-        except RuntimeError as e:
-            raise self.engine_error(e) from e
 
     def engine_error(self, e: RuntimeError) -> ExecutionError:
         """The error to raise when IREE failed running this function."""
