@@ -1,8 +1,10 @@
 """Shared helpers of the benchmark scripts: timing, machine description, tables, results JSON, peers.
 
 Every script measures onecopy and its peers side by side in ONE process run: the peers are timed in interleaved
-rounds (the order rotates each round), after a warm-up, and each reported time is the median of many calls. Ratios
-are onecopy's median over a peer's median (below 1: onecopy is faster). Nothing here knows a result in advance.
+rounds (the order is shuffled each round), after a warm-up, and each reported time is the median of many calls.
+Ratios are paired (`paired_ratio`): onecopy's median over the peer's within each round, then the median over the
+rounds (below 1: onecopy is faster); the ratio of the overall medians is recorded beside it. Nothing here knows a
+result in advance.
 
 A script imports this module as `common` (it runs as `python benchmarks/<name>.py`, so benchmarks/ is on sys.path).
 """
@@ -24,7 +26,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -159,16 +161,30 @@ class Stats:
     calls: int
     rounds: int = 0  # rounds kept
     rounds_discarded: int = 0  # rounds measured while other processes were busy, measured again
+    round_medians_ms: list[float] = field(default_factory=list)  # this peer's median in each kept round
 
 
-def _stats(samples: Sequence[float], rounds: int = 0, discarded: int = 0) -> Stats:
+def paired_ratio(a: Stats, b: Stats) -> float:
+    """Median over the rounds of (a's median in the round / b's median in the same round).
+
+    This machine drifts between fast and slow periods lasting seconds (the same call runs 1.0 or 1.6 ms); a
+    period that covers a few rounds moves both peers of those rounds alike, so a ratio taken within each round
+    cancels it, where a ratio of the overall medians does not (seen: bound / raw of one frame model read 1.18,
+    then 0.79, in two runs minutes apart). Both ratios are recorded; targets use this one."""
+    ratios = [x / y for x, y in zip(a.round_medians_ms, b.round_medians_ms) if y > 0]
+    return statistics.median(ratios) if ratios else a.median_ms / b.median_ms
+
+
+def _stats(samples: Sequence[float], rounds: int = 0, discarded: int = 0,
+           round_medians: Sequence[float] = ()) -> Stats:
     ordered = sorted(samples)
     n = len(ordered)
 
     def q(f: float) -> float:
         return ordered[min(n - 1, int(f * n))] * 1e3
 
-    return Stats(statistics.median(ordered) * 1e3, q(0.10), q(0.90), ordered[0] * 1e3, n, rounds, discarded)
+    return Stats(statistics.median(ordered) * 1e3, q(0.10), q(0.90), ordered[0] * 1e3, n, rounds, discarded,
+                 [m * 1e3 for m in round_medians])
 
 
 def measure(
@@ -212,6 +228,7 @@ def measure(
     rounds = max(min_rounds, min(max_rounds, int(budget_s / max(per_round_one_call * min_inner, 1e-9))))
     inner = max(min_inner, min(max_inner, int(budget_s / max(rounds * per_round_one_call, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in names}
+    round_medians: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter
     order = list(names)
     shuffle = random.Random(seed).shuffle
@@ -234,7 +251,8 @@ def measure(
         kept += 1
         for name in names:
             samples[name].extend(this_round[name])
-    return {name: _stats(samples[name], kept, discarded) for name in names}
+            round_medians[name].append(statistics.median(this_round[name]))
+    return {name: _stats(samples[name], kept, discarded, round_medians[name]) for name in names}
 
 
 class Stopwatch:

@@ -150,7 +150,8 @@ def main() -> int:
                 snapshot = common.cpu_snapshot()
                 stats = common.measure({p: (lambda f=peers[p], x=x: f(x)) for p in PEERS}, budget_s=budget)
                 others = common.foreign_cpu(snapshot)
-                ratios = {p: stats["onecopy"].median_ms / stats[p].median_ms for p in PEERS if p != "onecopy"}
+                ratios = {p: common.paired_ratio(stats["onecopy"], stats[p]) for p in PEERS if p != "onecopy"}
+                median_ratios = {p: stats["onecopy"].median_ms / stats[p].median_ms for p in PEERS if p != "onecopy"}
                 config = describe(label, name, x)
                 rows.append([config] + [common.fmt_ms(stats[p].median_ms) for p in PEERS]
                             + [common.fmt_ratio(ratios[p]) for p in PEERS if p != "onecopy"]
@@ -158,7 +159,8 @@ def main() -> int:
                 results.append({
                     "config": config, "model": label, "method": name, "function": function,
                     "input_shape": list(x.shape), "median_ms": {p: stats[p].median_ms for p in PEERS},
-                    "stats": stats, "ratios_onecopy_over": ratios, "other_processes_cpu": others,
+                    "stats": stats, "ratios_onecopy_over": ratios, "ratios_of_medians_onecopy_over": median_ratios,
+                    "other_processes_cpu": others,
                     "max_abs_diff_vs_torch": diffs,
                     "onnxruntime_intra_op_threads": peers["onnxruntime"].intra_op_threads,
                     "onnx_exporter": peers["onnxruntime"].exporter,
@@ -184,7 +186,7 @@ def main() -> int:
           f"raw IREE {us['raw IREE']:.1f} us -> onecopy adds {overhead['onecopy_minus_raw_us']:.1f} us")
     common.print_targets(targets)
     run.write({
-        "what": "median ms per call, side by side; ratios are onecopy's median over each peer's",
+        "what": "median ms per call, side by side; ratios are paired: onecopy's median over each peer's within each round, median over the rounds (ratios_of_medians: of the overall medians)",
         "iree_compile_flags": flags,
         "iree_compile_flags_source": "onecopy.delegate.targets.compiler_flags(host_cpu_target(), for_host=True); "
                                      "when a program's specialization_encoded_parameters is true, specialization "
