@@ -110,6 +110,12 @@ def child_growth(path: str, cache_dir: str, k: int, share: bool) -> None:
     warm, reference = load_and_run()
     warm.close()
     del warm
+    # A closed model's buffers stay referenced for quarantine.HOLD_S (IREE's workers may release them late):
+    # wait until they are freed, so the baseline holds no weights.
+    from onecopy.delegate import quarantine
+
+    time.sleep(quarantine.HOLD_S + 0.05)
+    quarantine.release_due()
     gc.collect()
     baseline = common.smaps_rollup()
     programs, same = [], True
@@ -488,7 +494,7 @@ def main() -> int:
     common.print_table(["share_multifunction_model", "K", "RSS MiB", "PSS MiB", "PSS anon", "PSS file",
                         "RSS / K=1", "PSS / K=1", "models", "contexts"], rows,
                        title=f"(a) growth after K programs ran each method once (medians of {reps_growth}; baseline: "
-                             "after a warm-up load was closed)")
+                             "after a warm-up load was closed and its buffers released)")
     ratios_k = {mode: {f: growth[mode][8][f] / growth[mode][1][f] for f in ("Rss", "Pss")} for mode in ("off", "on")}
 
     # -- b

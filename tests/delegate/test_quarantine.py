@@ -27,12 +27,18 @@ def test_held_objects_stay_alive_for_the_hold_time_then_are_freed_on_a_python_th
     assert alive() is None
 
 
-def test_a_closed_model_hands_its_engine_buffers_to_the_quarantine(small_program_path, tmp_path):
+def test_a_closed_model_hands_everything_it_gave_the_engine_to_the_quarantine(small_program_path, tmp_path,
+                                                                                monkeypatch):
     from onecopy import Runtime
 
-    before = quarantine.held_count()
+    handed = []
+    monkeypatch.setattr(quarantine, "hold", lambda objects, **_: handed.append(list(objects)))
     program = Runtime(cache_dir=tmp_path / "cache").load_program(small_program_path)
     forward = program.load_method("forward")
     forward.execute([np.ones(forward.method_meta.inputs[0].shape, np.float32)])
+    assert handed == []
     program.close()
-    assert quarantine.held_count() == before + 1
+    (objects,) = handed  # one model, shared by the program's delegates
+    views = [o for o in objects if isinstance(o, memoryview)]
+    # the module's bytes and every weight the parameter index reads in place
+    assert len(views) >= 1 + len(program.definition.delegates[0].manifest["parameters"])

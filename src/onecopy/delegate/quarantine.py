@@ -9,8 +9,9 @@ program and exited at once (gdb: an iree-worker thread in memory_dealloc -> subt
 
 So onecopy never lets IREE hold the last reference:
 - `hold(objects)`: a model that closes hands over what it gave IREE; it stays referenced for `HOLD_S` more
-  seconds (a task retires microseconds after its call returns), and is freed by a later `hold` or `release_due`
-  call, on a Python thread, with the GIL.
+  seconds (a task retires microseconds after its call returns; the margin covers a worker descheduled for a few
+  scheduler ticks), then a timer thread frees it, with the GIL. A process that closed a program therefore gives
+  its memory back `HOLD_S` later, not at once.
 - At exit, whatever is still held, and the buffers of every model still open, are leaked on purpose: freeing
   them during interpreter finalization would race the same way, and the process is going away anyway.
 """
@@ -26,9 +27,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["HOLD_S", "hold", "release_due", "track", "held_count"]
+__all__ = ["HOLD_S", "hold", "release_due", "track"]
 
-HOLD_S = 1.0
+HOLD_S = 0.25
 
 _lock = threading.Lock()
 _held: collections.deque[tuple[float, Sequence[Any]]] = collections.deque()  # (due time, objects), oldest first
@@ -47,6 +48,9 @@ def hold(objects: Sequence[Any], *, now: float | None = None) -> None:
     with _lock:
         _held.append((now + HOLD_S, list(objects)))
     release_due(now=now)
+    timer = threading.Timer(HOLD_S + 0.01, release_due)
+    timer.daemon = True  # never holds up exit: what is still held then is pinned instead
+    timer.start()
 
 
 def release_due(*, now: float | None = None) -> None:
@@ -57,11 +61,6 @@ def release_due(*, now: float | None = None) -> None:
         while _held and _held[0][0] <= now:
             due.append(_held.popleft())
     del due  # outside the lock: a freed object's finalizer may come back here
-
-
-def held_count() -> int:
-    with _lock:
-        return len(_held)
 
 
 def _pin_at_exit() -> None:
