@@ -69,6 +69,30 @@ def test_in_place_input_and_output_copy_nothing(scale_bias, surfaces):
         assert dst.generation == generation + 1  # written under the surface's write lock
 
 
+def test_repeated_calls_on_new_views_of_bound_surfaces_reuse_the_plan_and_stay_in_place(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    plain = np.zeros(SHAPE, np.float16)
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        (function,) = [h._function for h in forward._delegates.values()]
+        plans = set()
+        for value in (1, 2, 3):
+            src.array()[:] = value
+            out = frame(dst)  # a new view object each frame, same memory and layout
+            (y,) = forward.execute([frame(src)], outputs=[out])
+            plans.add(id(function._last_plan.plan[2]))
+            assert y is out  # the caller's own array comes back, not the one the plan was made with
+            assert forward.last_copy_stats.copied == 0
+            np.testing.assert_array_equal(dst.array(), np.full((64, 32), value * 2 + 1, np.float16))
+        assert len(plans) == 1
+        # Another layout (a plain array as output) plans anew, and that output is copied into.
+        (y,) = forward.execute([frame(src)], outputs=[plain])
+        assert y is plain and forward.last_copy_stats.copied_out == plain.nbytes
+        np.testing.assert_array_equal(plain, np.full(SHAPE, 7, np.float16))
+
+
 def test_without_binding_the_same_call_copies(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     src.array()[:] = 3

@@ -115,10 +115,14 @@ class Invocation:
             for view in self._slots:
                 self._args.push_ref(view)
 
-    def run(self, stats: CopyStats | None = None) -> list[np.ndarray]:
+    def run(self, stats: CopyStats | None = None,
+            outputs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Run the planned call on what the arrays hold now. Every decision is taken before the engine runs:
         after it, the interpreter's caches are cold (see the module docstring), so all that is left there is
-        giving back the locks and the VM context, and the results."""
+        giving back the locks and the VM context, and the results.
+
+        `outputs`: arrays laid out exactly as those planned (same addresses, shapes, strides, dtypes), to fill and
+        return instead of them (a plan reused for a new call on the same storage returns that call's arrays)."""
         stats = stats if stats is not None else CopyStats()
         function = self._function
         for binding, what in self._open_checks:
@@ -150,7 +154,7 @@ class Invocation:
             for release, readonly in releases:
                 release(readonly)
 
-        outputs = self._outputs
+        outputs = self._outputs if outputs is None else list(outputs)
         if self._in_place:
             for i, view in self._staged:
                 function.copy_out(view, outputs[i], stats)

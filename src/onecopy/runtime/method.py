@@ -130,15 +130,20 @@ class Method:
         values, storage = self._arguments(inputs, outputs)
         stats = CopyStats()
         whole = self._whole_call
-        if whole is not None and not storage:
+        if whole is not None:
             # Decided before the engine runs: what runs after it runs with the interpreter's caches cold.
             debug = log.isEnabledFor(logging.DEBUG)
-            produced = self._delegates[whole.delegate].execute([values[v] for v in whole.inputs],
-                                                               [None] * len(whole.outputs), stats)
-            self._local.stats = stats
-            if debug:
-                self._log_stats(stats)
-            return produced
+            produced = self._delegates[whole.delegate].execute(
+                [values[v] for v in whole.inputs], [storage.get(v) for v in whole.outputs], stats)
+            # The delegate filled the caller's storage itself (in place or by its own copy): nothing to gather.
+            if all(storage.get(v, array) is array for v, array in zip(whole.outputs, produced)):
+                self._local.stats = stats
+                if debug:
+                    self._log_stats(stats)
+                return produced
+            for vid, array in zip(whole.outputs, produced):
+                values[vid] = array
+            return self._results(values, storage, outputs, stats)
         for ins in self._definition.instructions:
             if isinstance(ins, DelegateCall):
                 args = [values[v] for v in ins.inputs]
