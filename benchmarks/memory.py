@@ -114,8 +114,7 @@ def child_growth(path: str, cache_dir: str, k: int, share: bool) -> None:
     # wait until they are freed, so the baseline holds no weights.
     from onecopy.delegate import quarantine
 
-    time.sleep(quarantine.HOLD_S + 0.05)
-    quarantine.release_due()
+    quarantine.drain()
     gc.collect()
     baseline = common.smaps_rollup()
     programs, same = [], True

@@ -77,10 +77,12 @@ def _child_memory(program: str, cache_dir: str, share: bool) -> dict:
     import numpy as np
 
     from onecopy import Runtime
+    from onecopy.delegate import quarantine
 
     runtime = Runtime(cache_dir=cache_dir)
     with runtime.load_program(program) as warm:  # the cache is warm; engine libraries are loaded
         warm.load_method("forward").execute([np.ones((1, 1024), np.float32)])
+    quarantine.drain()  # the closed warm-up's weights are freed a moment after its close: not in the baseline
     base = _memory_mib()
     options = {"IreeBackend": {"share_multifunction_model": share}}
     programs, growth = [], {}

@@ -42,3 +42,15 @@ def test_a_closed_model_hands_everything_it_gave_the_engine_to_the_quarantine(sm
     views = [o for o in objects if isinstance(o, memoryview)]
     # the module's bytes and every weight the parameter index reads in place
     assert len(views) >= 1 + len(program.definition.delegates[0].manifest["parameters"])
+
+
+def test_drain_waits_for_what_is_held_and_frees_it():
+    obj = Buffer()
+    alive = weakref.ref(obj)
+    quarantine.hold([obj])
+    del obj
+    started = time.monotonic()
+    quarantine.drain()
+    gc.collect()
+    assert alive() is None
+    assert time.monotonic() - started >= quarantine.HOLD_S * 0.9
