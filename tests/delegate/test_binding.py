@@ -87,10 +87,12 @@ def test_repeated_calls_on_new_views_of_bound_surfaces_reuse_the_plan_and_stay_i
             assert forward.last_copy_stats.copied == 0
             np.testing.assert_array_equal(dst.array(), np.full((64, 32), value * 2 + 1, np.float16))
         assert len(plans) == 1
-        # Another layout (a plain array as output) plans anew, and that output is copied into.
+        # Another layout (a plain array as output) plans anew, and that output is copied into; a plan that holds
+        # a caller's own array is not kept (it would keep the array alive).
         (y,) = forward.execute([frame(src)], outputs=[plain])
         assert y is plain and forward.last_copy_stats.copied_out == plain.nbytes
         np.testing.assert_array_equal(plain, np.full(SHAPE, 7, np.float16))
+        assert function._last_plan.plan is None
 
 
 def test_without_binding_the_same_call_copies(scale_bias, surfaces):

@@ -1,12 +1,17 @@
 """The quarantine: buffers handed to IREE outlive the model that handed them, so IREE's threads never free them."""
 
 import gc
+import subprocess
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import numpy as np
 
 from onecopy.delegate import quarantine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Buffer:
@@ -54,3 +59,25 @@ def test_drain_waits_for_what_is_held_and_frees_it():
     gc.collect()
     assert alive() is None
     assert time.monotonic() - started >= quarantine.HOLD_S * 0.9
+
+
+EXIT_WITHOUT_CLOSING = """
+import sys
+import numpy as np
+import onecopy
+program = onecopy.Runtime(cache_dir=sys.argv[2]).load_program(sys.argv[1])
+forward = program.load_method("forward")
+forward.execute([np.ones(forward.method_meta.inputs[0].shape, np.float32)])
+closed = onecopy.Runtime(cache_dir=sys.argv[2]).load_program(sys.argv[1])
+closed.close()  # held by the quarantine, and its releasing thread runs, when the interpreter exits
+print("ran", flush=True)
+"""
+
+
+def test_a_process_exits_promptly_with_programs_left_open_or_just_closed(small_program_path, tmp_path):
+    # A program left open is closed by the garbage collector during interpreter finalization, when no thread can
+    # start: the quarantine must not try to start one then (Thread.start waited for ever).
+    done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSING, str(small_program_path), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ran"

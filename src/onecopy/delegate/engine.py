@@ -282,6 +282,7 @@ class LoadedModel:
 
 
 _element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, looked up once
+_dtypes: dict[Any, np.dtype] = {}  # HAL element type -> numpy dtype, looked up once
 
 
 def _layout(array: np.ndarray) -> tuple:
@@ -320,16 +321,17 @@ class EngineFunction:
         bindings = self.bindings
         if not bindings:  # nothing bound: planning is a few assignments, cheaper than recognizing a repeat
             return Invocation(self, inputs, outputs).run(stats)
-        # With surfaces bound, a frame loop calls with the same arrays every time: reuse this thread's last plan
-        # when every argument has the same address, shape, strides and dtype. The plan holds the arrays it was
-        # made for, so no other array can have taken their address meanwhile; an array at the same address with
-        # the same layout reads the same bytes. New bindings (a new table) make a new plan.
+        # With surfaces bound, a frame loop calls with the same surfaces every time: reuse this thread's last plan
+        # when every argument has the same address, shape, strides and dtype. Only plans whose arguments are all
+        # bound surfaces are kept (they hold surface views, never a caller's array); a surface view at the same
+        # address with the same layout reads the same bytes. New bindings (a new table) make a new plan.
         layout = (*map(_layout, inputs), *(None if out is None else _layout(out) for out in outputs))
         last = getattr(self._last_plan, "plan", None)
-        if last is None or last[0] != layout or last[1] is not bindings:
-            last = (layout, bindings, Invocation(self, inputs, outputs))
-            self._last_plan.plan = last
-        return last[2].run(stats, outputs)
+        if last is not None and last[0] == layout and last[1] is bindings:
+            return last[2].run(stats, outputs)
+        invocation = Invocation(self, inputs, outputs)
+        self._last_plan.plan = (layout, bindings, invocation) if invocation.only_surfaces else None
+        return invocation.run(stats)
 
     def prepare(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> Invocation:
         """Plan a call on these very arrays once, to `run()` it many times (one plan per thread)."""
@@ -374,8 +376,10 @@ class EngineFunction:
         return ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}")
 
     def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
-        rt = self.rt
-        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        element_type = view.element_type
+        dtype = _dtypes.get(element_type)
+        if dtype is None:
+            dtype = _dtypes[element_type] = self.rt.HalElementType.map_to_dtype(element_type)
         mapped = view.map()
         host = mapped.asarray(tuple(view.shape), dtype)
         stats.copied_out += host.nbytes

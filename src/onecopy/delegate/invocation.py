@@ -56,6 +56,7 @@ class Invocation:
             self._releases: list[tuple[Any, bool]] = []
             self._staged: list[tuple[int, Any]] = []
             self._constant = CopyStats(copied_in=sum(array.nbytes for array in inputs))
+            self.only_surfaces = False
             return
         device = function.model.device
 
@@ -114,6 +115,9 @@ class Invocation:
             self._args = rt.VmVariantList(len(self._slots))
             for view in self._slots:
                 self._args.push_ref(view)
+        # Every argument is a bound surface the engine reads or writes in place: the plan holds views of surfaces
+        # only, none of the caller's own arrays, so keeping it for the next call costs no memory.
+        self.only_surfaces = not self._copied and not self._staged and self._in_place
 
     def run(self, stats: CopyStats | None = None,
             outputs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:

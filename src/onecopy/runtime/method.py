@@ -136,7 +136,7 @@ class Method:
             produced = self._delegates[whole.delegate].execute(
                 [values[v] for v in whole.inputs], [storage.get(v) for v in whole.outputs], stats)
             # The delegate filled the caller's storage itself (in place or by its own copy): nothing to gather.
-            if all(storage.get(v, array) is array for v, array in zip(whole.outputs, produced)):
+            if not storage or all(storage.get(v, array) is array for v, array in zip(whole.outputs, produced)):
                 self._local.stats = stats
                 if debug:
                     self._log_stats(stats)
