@@ -272,8 +272,10 @@ class LoadedModel:
         self._pool.clear()
         self._modules = []
         self.module = None
-        # IREE's workers may drop their references to our buffers a moment after the last call returned.
-        quarantine.hold(self.handed_to_engine)
+        # IREE's workers may drop their references to our buffers a moment after the last call returned. This
+        # model keeps only the module's bytes and the cache entry (see below); the weights go with the quarantine.
+        handed, self.handed_to_engine = self.handed_to_engine, [self._vmfb, self._keepalive]
+        quarantine.hold(handed)
         # The cache entry's lock is released now; the entry itself (its mappings) stays referenced until this
         # model is collected, so no engine object can outlive the memory it reads.
         keepalive = self._keepalive
