@@ -51,14 +51,20 @@ def pointer(array):
     return array.__array_interface__["data"][0]
 
 
+def bound_forward(program, *surfaces):
+    """The program's `forward`, with `surfaces` bound to it."""
+    forward = program.load_method("forward")
+    for surface in surfaces:
+        forward.bind_surface(surface)
+    return forward
+
+
 def test_in_place_input_and_output_copy_nothing(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     assert src.dense and dst.dense
     src.array()[:] = np.arange(64 * 32, dtype=np.float16).reshape(64, 32) % 100
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         generation = dst.generation
         (y,) = forward.execute([frame(src)], outputs=[frame(dst)])
         stats = forward.last_copy_stats
@@ -73,9 +79,7 @@ def test_repeated_calls_on_new_views_of_bound_surfaces_reuse_the_plan_and_stay_i
     src, dst = surfaces(64, 32), surfaces(64, 32)
     plain = np.zeros(SHAPE, np.float16)
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         (function,) = [h._function for h in forward._delegates.values()]
         plans = set()
         for value in (1, 2, 3):
@@ -135,9 +139,7 @@ def test_padded_rows_are_copied_through_their_stride(tmp_path, surfaces):
     src.array()[:] = values
     dst.array(include_padding=True)[:] = -1  # padding must stay as it was
     with Runtime().load_program(program_path) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         forward.execute([src.array().reshape(shape)], outputs=[dst.array().reshape(shape)])
         stats = forward.last_copy_stats
     np.testing.assert_array_equal(dst.array(), values * 2 + 1)
@@ -178,9 +180,7 @@ def test_a_frame_written_by_another_process_is_run_in_place(scale_bias, surfaces
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         forward.execute([frame(src)], outputs=[frame(dst)])
         assert forward.last_copy_stats.copied == 0
     assert (dst.array() == 9).all()
@@ -223,9 +223,7 @@ def test_unplanned_outputs_need_caller_storage(scale_bias):
 def test_closing_a_bound_surface_fails_the_next_call_cleanly(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         held = frame(src)  # the caller still holds a view of the closed surface: its memory stays valid
         src.close()
         with pytest.raises(ExecutionError, match=r"input 0 is bound surface '.*', which was closed"):
@@ -264,9 +262,7 @@ def test_dlpack_views_of_bound_surfaces_are_used_in_place(scale_bias, surfaces):
     y = torch.from_dlpack(frame(dst))
     assert x.data_ptr() == src.base_address and y.data_ptr() == dst.base_address
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         forward.execute([x], outputs=[y])
         assert forward.last_copy_stats.copied == 0
     assert (y == 5).all()
@@ -275,9 +271,7 @@ def test_dlpack_views_of_bound_surfaces_are_used_in_place(scale_bias, surfaces):
 def test_a_prepared_call_reruns_on_each_new_frame_in_place(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     with Runtime().load_program(scale_bias) as program:
-        forward = program.load_method("forward")
-        forward.bind_surface(src)
-        forward.bind_surface(dst)
+        forward = bound_forward(program, src, dst)
         call = forward.prepare([frame(src)], outputs=[frame(dst)])
         for value in (1.0, 3.0, -2.0):  # a new frame each time, written where the engine reads it
             with src.lock() as pixels:
@@ -306,9 +300,7 @@ def test_a_prepared_call_on_plain_arrays_copies_their_content_at_each_run(scale_
 def test_a_prepared_call_fails_cleanly_once_its_surface_or_program_is_closed(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     program = Runtime().load_program(scale_bias)
-    forward = program.load_method("forward")
-    forward.bind_surface(src)
-    forward.bind_surface(dst)
+    forward = bound_forward(program, src, dst)
     call = forward.prepare([frame(src)], outputs=[frame(dst)])
     call.run()
     src.close()

@@ -77,11 +77,13 @@ class Method:
             for c in definition.constants
         }
         self._local = threading.local()  # last_copy_stats, per calling thread
-        # The method is one delegate call producing exactly the method's outputs (the common case): execute and
-        # prepared calls hand its results back as they come, with nothing to gather afterwards.
+        # The method's one instruction when it is a delegate call (prepared calls plan it); `_whole_call` when that
+        # call produces exactly the method's outputs (the common case): execute and prepared calls hand its results
+        # back as they come, with nothing to gather afterwards.
         (single,) = definition.instructions if len(definition.instructions) == 1 else (None,)
+        self._single_call: DelegateCall | None = single if isinstance(single, DelegateCall) else None
         self._whole_call: DelegateCall | None = (
-            single if isinstance(single, DelegateCall) and list(single.outputs) == list(definition.outputs) else None)
+            single if self._single_call and list(single.outputs) == list(definition.outputs) else None)
         self._all_planned = all(o.memory_planned for o in meta.outputs)
         self._kernels = {}
         for ins in definition.instructions:
@@ -137,9 +139,7 @@ class Method:
                 [values[v] for v in whole.inputs], [storage.get(v) for v in whole.outputs], stats)
             # The delegate filled the caller's storage itself (in place or by its own copy): nothing to gather.
             if not storage or all(storage.get(v, array) is array for v, array in zip(whole.outputs, produced)):
-                self._local.stats = stats
-                if debug:
-                    self._log_stats(stats)
+                self._record_stats(stats, debug)
                 return produced
             for vid, array in zip(whole.outputs, produced):
                 values[vid] = array
@@ -190,14 +190,16 @@ class Method:
                 stats.copied_out += result.nbytes
                 result = storage[vid]
             results.append(result)
-        self._local.stats = stats
-        if log.isEnabledFor(logging.DEBUG):
-            self._log_stats(stats)
+        self._record_stats(stats, log.isEnabledFor(logging.DEBUG))
         return results
 
-    def _log_stats(self, stats: CopyStats) -> None:
-        log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
-                  stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
+    def _record_stats(self, stats: CopyStats, debug: bool) -> None:
+        """Keep `stats` as this thread's last_copy_stats; log them when `debug` (decided by the caller, which may
+        have done so before the engine ran)."""
+        self._local.stats = stats
+        if debug:
+            log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self.name,
+                      stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)
 
     def _check_open(self) -> None:
         if self._closed.is_set():
@@ -263,12 +265,11 @@ class PreparedCall:
         self._values = values
         self._storage = storage
         self._outputs = outputs
-        definition = method._definition
-        (single,) = definition.instructions if len(definition.instructions) == 1 else (None,)
+        single = method._single_call
         self._planned = None
         self._produces: list[int] = []
         self._direct: list[np.ndarray] | None = None
-        if isinstance(single, DelegateCall):
+        if single is not None:
             self._produces = list(single.outputs)
             self._planned = method._delegates[single.delegate].prepare(
                 [values[v] for v in single.inputs], [storage.get(v) for v in single.outputs])
@@ -292,9 +293,7 @@ class PreparedCall:
         if direct is not None:
             debug = log.isEnabledFor(logging.DEBUG)  # decided before the engine runs, like everything else here
             self._planned(stats)
-            method._local.stats = stats
-            if debug:
-                method._log_stats(stats)
+            method._record_stats(stats, debug)
             return list(direct)
         values = list(self._values)
         for vid, array in zip(self._produces, self._planned(stats)):
