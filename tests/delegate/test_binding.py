@@ -80,23 +80,81 @@ def test_repeated_calls_on_new_views_of_bound_surfaces_reuse_the_plan_and_stay_i
     plain = np.zeros(SHAPE, np.float16)
     with Runtime().load_program(scale_bias) as program:
         forward = bound_forward(program, src, dst)
-        (function,) = [h._function for h in forward._delegates.values()]
         plans = set()
         for value in (1, 2, 3):
             src.array()[:] = value
             out = frame(dst)  # a new view object each frame, same memory and layout
             (y,) = forward.execute([frame(src)], outputs=[out])
-            plans.add(id(function._last_plan.plan[2]))
+            plans.update(id(call) for call in forward._local.repeats)
             assert y is out  # the caller's own array comes back, not the one the plan was made with
             assert forward.last_copy_stats.copied == 0
+            assert forward.last_copy_stats.in_place_in == forward.last_copy_stats.in_place_out == out.nbytes
             np.testing.assert_array_equal(dst.array(), np.full((64, 32), value * 2 + 1, np.float16))
         assert len(plans) == 1
+        # The very same arrays again: matched at once, written in place.
+        x, out = frame(src), frame(dst)
+        for value in (4, 5):
+            src.array()[:] = value
+            (y,) = forward.execute([x], outputs=[out])
+            assert y is out and forward.last_copy_stats.copied == 0
+            np.testing.assert_array_equal(out, np.full(SHAPE, value * 2 + 1, np.float16))
+        assert {id(call) for call in forward._local.repeats} == plans
         # Another layout (a plain array as output) plans anew, and that output is copied into; a plan that holds
         # a caller's own array is not kept (it would keep the array alive).
         (y,) = forward.execute([frame(src)], outputs=[plain])
         assert y is plain and forward.last_copy_stats.copied_out == plain.nbytes
-        np.testing.assert_array_equal(plain, np.full(SHAPE, 7, np.float16))
-        assert function._last_plan.plan is None
+        np.testing.assert_array_equal(plain, np.full(SHAPE, 11, np.float16))
+        assert {id(call) for call in forward._local.repeats} == plans
+
+
+def test_a_repeated_call_rechecks_what_can_change_in_place(scale_bias, surfaces):
+    """An array's shape and dtype can be reassigned and its writeable flag cleared: a kept plan never skips the
+    checks those would fail."""
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = bound_forward(program, src, dst)
+        x, out = frame(src), frame(dst)
+        forward.execute([x], outputs=[out])
+        x.shape = (1, 1, 64, 32)
+        with pytest.raises(ExecutionError, match=r"Input 0 .* has shape \[1, 1, 64, 32\]; expected \[1, 4, 16, 32\]"):
+            forward.execute([x], outputs=[out])
+        x.shape = SHAPE
+        out.flags.writeable = False
+        with pytest.raises(ExecutionError, match="Output 0 .* is read-only"):
+            forward.execute([x], outputs=[out])
+        out = frame(dst)
+        x.dtype = np.int16
+        with pytest.raises(ExecutionError, match="Input 0 .* has dtype int16; expected float16"):
+            forward.execute([x], outputs=[out])
+
+
+def test_double_buffering_keeps_one_plan_per_buffer_pair(scale_bias, surfaces):
+    pairs = [(surfaces(64, 32), surfaces(64, 32)) for _ in range(2)]
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        for src, dst in pairs:
+            forward.bind_surface(src)
+            forward.bind_surface(dst)
+        frames = [(frame(src), frame(dst)) for src, dst in pairs]
+        for step in range(6):
+            src, dst = pairs[step % 2]
+            x, out = frames[step % 2]
+            src.array()[:] = step
+            (y,) = forward.execute([x], outputs=[out])
+            assert y is out and forward.last_copy_stats.copied == 0
+            np.testing.assert_array_equal(out, np.full(SHAPE, step * 2 + 1, np.float16))
+        assert len(forward._local.repeats) == 2
+
+
+def test_a_kept_plan_on_a_closed_surface_fails_the_call(scale_bias, surfaces):
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = bound_forward(program, src, dst)
+        x, out = frame(src), frame(dst)
+        forward.execute([x], outputs=[out])
+        src.close()
+        with pytest.raises(ExecutionError, match="closed"):
+            forward.execute([x], outputs=[out])
 
 
 def test_without_binding_the_same_call_copies(scale_bias, surfaces):

@@ -64,7 +64,7 @@ class IreeDelegate(DelegateHandle):
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
-        return function.prepare(inputs, outputs).run
+        return function.prepare(inputs, outputs)
 
     def bind_surface(self, surface: Any) -> None:
         function = self._function
@@ -88,6 +88,11 @@ class IreeDelegate(DelegateHandle):
     def bound_surfaces(self) -> dict[str, Any]:
         function = self._function
         return {b.surface.name: b.surface for b in function.bindings.values()} if function is not None else {}
+
+    @property
+    def has_bound_surfaces(self) -> bool:
+        function = self._function
+        return function is not None and bool(function.bindings)
 
 
 @dataclass(frozen=True)

@@ -287,10 +287,6 @@ _element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, loo
 _dtypes: dict[Any, np.dtype] = {}  # HAL element type -> numpy dtype, looked up once
 
 
-def _layout(array: np.ndarray) -> tuple:
-    return array.__array_interface__["data"][0], array.shape, array.strides, array.dtype
-
-
 class EngineFunction:
     """Calls one function of a loaded model on numpy arrays, in place where a bound surface allows it.
 
@@ -312,7 +308,6 @@ class EngineFunction:
         self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
         # base address -> binding; replaced (never mutated) so concurrent calls read a consistent table.
         self.bindings: dict[int, SurfaceBinding] = {}
-        self._last_plan = threading.local()  # per thread: (arguments' layout, bindings, Invocation)
 
     def bind(self, binding: SurfaceBinding) -> None:
         self.bindings = {**self.bindings, binding.base_address: binding}
@@ -320,23 +315,10 @@ class EngineFunction:
     def __call__(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
     ) -> list[np.ndarray]:
-        bindings = self.bindings
-        if not bindings:  # nothing bound: planning is a few assignments, cheaper than recognizing a repeat
-            return Invocation(self, inputs, outputs).run(stats)
-        # With surfaces bound, a frame loop calls with the same surfaces every time: reuse this thread's last plan
-        # when every argument has the same address, shape, strides and dtype. Only plans whose arguments are all
-        # bound surfaces are kept (they hold surface views, never a caller's array); a surface view at the same
-        # address with the same layout reads the same bytes. New bindings (a new table) make a new plan.
-        layout = (*map(_layout, inputs), *(None if out is None else _layout(out) for out in outputs))
-        last = getattr(self._last_plan, "plan", None)
-        if last is not None and last[0] == layout and last[1] is bindings:
-            return last[2].run(stats, outputs)
-        invocation = Invocation(self, inputs, outputs)
-        self._last_plan.plan = (layout, bindings, invocation) if invocation.only_surfaces else None
-        return invocation.run(stats)
+        return Invocation(self, inputs, outputs).run(stats)
 
     def prepare(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> Invocation:
-        """Plan a call on these very arrays once, to `run()` it many times (one plan per thread)."""
+        """Plan a call on these very arrays once, to run it many times (one plan per thread)."""
         return Invocation(self, inputs, outputs)
 
     def copy_in(self, array: np.ndarray) -> Any:

@@ -119,14 +119,13 @@ class Invocation:
         # only, none of the caller's own arrays, so keeping it for the next call costs no memory.
         self.only_surfaces = not self._copied and not self._staged and self._in_place
 
-    def run(self, stats: CopyStats | None = None,
-            outputs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    def __call__(self, stats: CopyStats | None = None) -> list[np.ndarray]:
+        return self.run(stats)
+
+    def run(self, stats: CopyStats | None = None) -> list[np.ndarray]:
         """Run the planned call on what the arrays hold now. Every decision is taken before the engine runs:
         after it, the interpreter's caches are cold (see the module docstring), so all that is left there is
-        giving back the locks and the VM context, and the results.
-
-        `outputs`: arrays laid out exactly as those planned (same addresses, shapes, strides, dtypes), to fill and
-        return instead of them (a plan reused for a new call on the same storage returns that call's arrays)."""
+        giving back the locks and the VM context, and the results."""
         stats = stats if stats is not None else CopyStats()
         function = self._function
         for binding, what in self._open_checks:
@@ -158,7 +157,7 @@ class Invocation:
             for release, readonly in releases:
                 release(readonly)
 
-        outputs = self._outputs if outputs is None else list(outputs)
+        outputs = self._outputs
         if self._in_place:
             for i, view in self._staged:
                 function.copy_out(view, outputs[i], stats)

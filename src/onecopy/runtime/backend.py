@@ -48,7 +48,9 @@ class DelegateHandle(abc.ABC):
     def prepare(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
     ) -> Callable[[CopyStats], list[np.ndarray]]:
-        """A call on these very arrays, planned once and run many times (`Method.prepare`). A backend that plans
+        """A call on these very arrays, planned once and run many times (`Method.prepare`): a callable taking
+        the `CopyStats` to add to. When it has an attribute `only_surfaces` that is true, it references nothing
+        but bound surfaces, so `Method.execute` may keep it for the calls that repeat it. A backend that plans
         nothing ahead gets this default: each run is an `execute`."""
         return lambda stats: self.execute(inputs, outputs, stats)
 
@@ -60,6 +62,11 @@ class DelegateHandle(abc.ABC):
     def bound_surfaces(self) -> dict[str, Any]:
         """Surfaces bound to this delegate, by name."""
         return {}
+
+    @property
+    def has_bound_surfaces(self) -> bool:
+        """Whether any surface is bound (checked on every call: cheaper than `bound_surfaces`)."""
+        return False
 
     @abc.abstractmethod
     def destroy(self) -> None:

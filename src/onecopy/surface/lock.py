@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import mmap
-import struct
+import sys
 import threading
 import time
 from threading import get_ident
@@ -22,7 +22,9 @@ from onecopy.errors import InvalidArgument, OnecopyError
 __all__ = ["SurfaceLock", "closed_error"]
 
 _POLL_MAX_S = 0.002  # a lock held by another process is retried at most this far apart
-_U64 = struct.Struct("<Q")
+_U64_MAX = 2**64 - 1
+_SHARED_NOW = fcntl.LOCK_SH | fcntl.LOCK_NB
+_EXCLUSIVE_NOW = fcntl.LOCK_EX | fcntl.LOCK_NB
 
 
 def closed_error(name: str, what: str) -> InvalidArgument:
@@ -42,8 +44,13 @@ class SurfaceLock:
     def __init__(self, fd: int, name: str, surface_map: mmap.mmap, generation_at: int) -> None:
         self._fd = fd
         self._name = name
-        self._map = surface_map
-        self._generation_at = generation_at
+        # The counter as a one-element view: a writer's release bumps it right after an engine call, when every
+        # Python object touched misses the caches (invocation.py); indexing a view costs a third of a struct
+        # unpack and pack on the map. The header is little-endian (header.py), as this view is on the CPUs onecopy
+        # runs on (x86_64, aarch64).
+        if sys.byteorder != "little":
+            raise OnecopyError("onecopy surfaces need a little-endian CPU.")
+        self._generation = memoryview(surface_map)[generation_at:generation_at + 8].cast("Q")
         self.closed = False
         # Guards the in-process state below; flock alone cannot, since threads share one file description. A plain
         # Lock, entered directly on the fast paths: a bound surface is locked around every engine call, and what
@@ -58,7 +65,7 @@ class SurfaceLock:
     def mark_closed(self) -> None:
         """The surface is closed: later acquires raise, waiting ones wake and raise. Call under `cond`."""
         self.closed = True
-        self._map = None  # type: ignore[assignment]
+        self._generation.release()  # gives the map's export back, so the surface's close can unmap it
         self.cond.notify_all()
 
     def _check_open(self) -> None:
@@ -74,15 +81,24 @@ class SurfaceLock:
     def acquire(self, readonly: bool = False, timeout: float | None = None) -> None:
         """Take the lock for the calling thread; `timeout` seconds (0: don't wait) or None (wait for ever)."""
         thread = get_ident()
-        with self._mutex:  # fast path: the lock is free in this process and the flock is granted at once
+        # Fast path, written out flat (it runs twice per bound surface per engine call): the lock is free in this
+        # process and the flock is granted at once, or this process already holds the shared one.
+        with self._mutex:
             if not self.closed and self._writer_thread is None:
-                if readonly:
-                    if self._readers or self._try_flock(fcntl.LOCK_SH):
-                        self._take_read(thread)
+                try:
+                    if readonly:
+                        if not self._readers:
+                            fcntl.flock(self._fd, _SHARED_NOW)
+                        self._readers += 1
+                        threads = self._reader_threads
+                        threads[thread] = threads.get(thread, 0) + 1
                         return
-                elif not self._readers and self._try_flock(fcntl.LOCK_EX):
-                    self._writer_thread = thread
-                    return
+                    if not self._readers:
+                        fcntl.flock(self._fd, _EXCLUSIVE_NOW)
+                        self._writer_thread = thread
+                        return
+                except BlockingIOError:
+                    pass  # held by another process: wait below
         self._acquire_waiting(readonly, timeout, thread)
 
     def _try_flock(self, operation: int) -> bool:
@@ -153,8 +169,8 @@ class SurfaceLock:
                         fcntl.flock(self._fd, fcntl.LOCK_UN)
                 else:
                     try:
-                        generation = _U64.unpack_from(self._map, self._generation_at)[0]
-                        _U64.pack_into(self._map, self._generation_at, (generation + 1) & (2**64 - 1))
+                        generation = self._generation
+                        generation[0] = (generation[0] + 1) & _U64_MAX
                     finally:
                         self._writer_thread = None
                         fcntl.flock(self._fd, fcntl.LOCK_UN)
