@@ -378,3 +378,45 @@ def test_a_prepared_call_of_a_method_with_a_graph_break_runs_it_whole(small_meth
         for _ in range(2):
             x[:] = rng.standard_normal((1, 64), dtype=np.float32)
             np.testing.assert_array_equal(call.run()[0], forward.execute([x])[0])
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_call_waits_for_a_bound_surface_another_process_locked_then_runs(scale_bias, surfaces, mode):
+    """The output surface is written under its write lock: a reader or writer elsewhere makes the call wait (the
+    locks the engine took at once are held meanwhile), and it runs in place once that process lets go."""
+    import threading
+
+    from tests.surface.conftest import Holder
+
+    import os
+
+    # Named so that the input comes first in the locking order: it is taken at once, then the call waits.
+    src, dst = (surfaces(64, 32, name=f"waits-{os.getpid()}-{mode}-{tag}") for tag in "ab")
+    src.array()[:] = 3
+    with Runtime().load_program(scale_bias) as program:
+        forward = bound_forward(program, src, dst)
+        x, out = frame(src), frame(dst)
+        forward.execute([x], outputs=[out])  # planned and kept: the wait below is the kept plan's
+        out[...] = 0
+        done = threading.Event()
+        errors = []
+
+        def call():
+            try:
+                forward.execute([x], outputs=[out])
+            except Exception as e:  # reported by the main thread
+                errors.append(e)
+            done.set()
+
+        with Holder(dst.name, mode) as holder:
+            thread = threading.Thread(target=call)
+            thread.start()
+            assert not done.wait(0.3), "the call ran while another process held the output surface"
+            assert src._lock.held() == "1 read lock(s)"  # taken at once, held while the output's is awaited
+            holder.kill()
+            assert done.wait(30)
+            thread.join(30)
+        assert not errors
+        assert forward.last_copy_stats.copied == 0
+        np.testing.assert_array_equal(out, np.full(SHAPE, 7, np.float16))
+        assert src._lock.held() is None and dst._lock.held() is None

@@ -8,6 +8,8 @@ import pytest
 
 from onecopy.errors import InvalidArgument, OnecopyError
 from onecopy.surface import Surface
+from onecopy.surface._lockcore import LockCore
+from onecopy.surface.lock import give_all, take_all, wake_waiting
 from tests.surface.conftest import Holder
 
 
@@ -172,3 +174,102 @@ def _try_write(surface: Surface) -> Exception:
     except Exception as e:  # handed back to the test thread
         return e
     return AssertionError("the write lock was taken while readers held the surface")
+
+
+# -- the engine's path: all of one call's locks in one C call (take_all / give_all) --------------------------------
+
+
+def _cores(*surfaces):
+    return tuple(s._lock.core for s in surfaces)
+
+
+def test_take_all_takes_reads_and_writes_and_give_all_moves_only_written_generations(surfaces):
+    a, b = surfaces(2, 8), surfaces(2, 8)
+    cores, modes = _cores(a, b), (True, False)
+    assert take_all(cores, modes, threading.get_ident()) == 2
+    assert a._lock.held() == "1 read lock(s)" and b._lock.held() == "a write lock"
+    with pytest.raises(OnecopyError, match="could not take the write lock"):
+        a.acquire(False, 0)  # a thread of this process reads it: no writer
+    assert give_all(cores, modes, 2) is False  # nobody waits
+    assert a._lock.held() is None and b._lock.held() is None
+    assert (a.generation, b.generation) == (0, 1)
+    with Surface.open(b.name) as other:  # the counter is the shared header's, seen by every opener
+        assert other.generation == 1
+
+
+def test_take_all_stops_at_a_lock_another_process_holds(surfaces, name):
+    free, held = surfaces(2, 8), surfaces(2, 8, name=name)
+    cores, modes = _cores(free, held), (False, True)
+    with Holder(name, "write"):
+        assert take_all(cores, modes, threading.get_ident()) == 1  # the first taken, the second would wait
+        assert give_all(cores, modes, 1) is False
+    assert free.generation == 1 and held._lock.held() is None
+
+
+def test_give_all_says_when_threads_wait_and_they_take_the_lock_once_woken(surfaces):
+    surface = surfaces(2, 8)
+    cores, modes = _cores(surface), (False,)
+    assert take_all(cores, modes, threading.get_ident()) == 1
+    taken = threading.Event()
+
+    def reader():
+        surface.acquire(True, 30)
+        taken.set()
+        surface.release(True)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for _ in range(3000):
+        if surface._lock.core.waiting:
+            break
+        threading.Event().wait(0.001)
+    assert surface._lock.core.waiting == 1
+    assert give_all(cores, modes, 1) is True
+    wake_waiting([surface._lock])
+    assert taken.wait(30)
+    thread.join(30)
+    assert surface.generation == 1 and surface._lock.core.waiting == 0
+
+
+def test_releasing_a_lock_not_held_is_an_error_not_a_corrupted_count(surfaces):
+    surface = surfaces(2, 8)
+    with pytest.raises(RuntimeError, match="released a read lock this process does not hold"):
+        give_all(_cores(surface), (True,), 1)
+    with pytest.raises(RuntimeError, match="released a write lock this process does not hold"):
+        surface._lock.core.release(False)
+    with pytest.raises(InvalidArgument, match="holds no read lock on it to release"):
+        surface.release(True)
+    assert surface._lock.core.readers == 0
+    with surface.lock(blocking=False):
+        pass
+
+
+def test_bad_arguments_to_the_native_calls_raise(surfaces):
+    surface = surfaces(2, 8)
+    with pytest.raises(TypeError):
+        take_all((object(),), (True,), 1)
+    with pytest.raises(ValueError, match="one mode per lock"):
+        take_all(_cores(surface), (), 1)
+    with pytest.raises(ValueError, match="count out of range"):
+        give_all(_cores(surface), (True,), 2)
+    with pytest.raises(TypeError, match="modes must be bools"):
+        give_all(_cores(surface), (1,), 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        LockCore(0, bytearray(16), 12)
+
+
+def test_a_closed_lock_lets_go_of_the_map(tmp_path):
+    import mmap
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(64))
+    with open(path, "r+b") as f:
+        surface_map = mmap.mmap(f.fileno(), 64)
+        core = LockCore(f.fileno(), surface_map, 8)
+        with pytest.raises(BufferError):
+            surface_map.close()  # the core holds the counter's bytes
+        assert core.try_acquire(False, 1) and not core.release(False)
+        assert int.from_bytes(surface_map[8:16], "little") == 1
+        core.mark_closed()
+        assert not core.try_acquire(True, 1)
+        surface_map.close()

@@ -17,16 +17,19 @@ Not for concurrent use: a plan owns its staging buffers and its argument list. P
 from __future__ import annotations
 
 from collections.abc import Sequence
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from onecopy.errors import ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
+from onecopy.surface.lock import give_all, take_all, wake_waiting
 
 if TYPE_CHECKING:
     from onecopy.delegate.binding import SurfaceBinding
     from onecopy.delegate.engine import EngineFunction
+    from onecopy.surface.lock import SurfaceLock
 
 __all__ = ["Invocation"]
 
@@ -52,8 +55,9 @@ class Invocation:
             self._slots: list[Any] = list(inputs)
             self._copied: list[np.ndarray] = self._slots
             self._open_checks: list[tuple[SurfaceBinding, str]] = []
-            self._acquires: list[tuple[Any, bool]] = []
-            self._releases: list[tuple[Any, bool]] = []
+            self._locks: list[SurfaceLock] = []
+            self._lock_cores: tuple = ()
+            self._lock_modes: tuple[bool, ...] = ()
             self._staged: list[tuple[int, Any]] = []
             self._constant = CopyStats(copied_in=sum(array.nbytes for array in inputs))
             self.only_surfaces = False
@@ -106,10 +110,11 @@ class Invocation:
         else:
             self._open_checks.extend((b, f"output {i}") for i, b in enumerate(out_bindings) if b is not None)
         # Taken in name order, so two processes locking the same surfaces never wait on each other in a cycle;
-        # given back in the reverse order. Surface.acquire/release are the SurfaceLock's own methods (no wrapper).
+        # given back in the reverse order. One C call takes them all, one gives them back (surface/lock.py).
         ordered = [locks[name] for name in sorted(locks)]
-        self._acquires = [(surface.acquire, readonly) for surface, readonly in ordered]
-        self._releases = [(surface.release, readonly) for surface, readonly in reversed(ordered)]
+        self._locks = [surface._lock for surface, _ in ordered]
+        self._lock_cores = tuple(lock.core for lock in self._locks)
+        self._lock_modes = tuple(readonly for _, readonly in ordered)
         self._constant = CopyStats(copied_in=copied_in, in_place_in=in_place_in, in_place_out=in_place_out)
         if not self._copied:  # every argument is a view: one argument list serves every run
             self._args = rt.VmVariantList(len(self._slots))
@@ -121,6 +126,22 @@ class Invocation:
 
     def __call__(self, stats: CopyStats | None = None) -> list[np.ndarray]:
         return self.run(stats)
+
+    def _take_waiting(self, taken: int) -> int:
+        """The locks `take_all` could not take at once, from `taken` on, waiting as long as it takes (a surface
+        held by another process or thread, or closed: that raises). Returns how many are held, all of them;
+        on an error, the ones taken here are given back and those before are left to the caller."""
+        locks, modes = self._locks, self._lock_modes
+        start = taken
+        try:
+            for i in range(start, len(locks)):
+                locks[i].acquire(modes[i], track=False)
+                taken = i + 1
+        except BaseException:
+            for i in reversed(range(start, taken)):
+                locks[i].release(modes[i], track=False)
+            raise
+        return taken
 
     def run(self, stats: CopyStats | None = None) -> list[np.ndarray]:
         """Run the planned call on what the arrays hold now. Every decision is taken before the engine runs:
@@ -140,22 +161,21 @@ class Invocation:
         stats.add(self._constant)  # what the plan copies in and uses in place; copies out are added below
         model = function.model
         context = model.checkout()
+        cores = self._lock_cores
         taken = 0
         try:
             # Held for the call: readers share, the surface written in place is exclusive (its generation moves on).
-            for acquire, readonly in self._acquires:
-                acquire(readonly)
-                taken += 1
+            if cores:
+                taken = take_all(cores, self._lock_modes, get_ident())
+                if taken < len(cores):
+                    taken = self._take_waiting(taken)
             context.invoke(self._vm_function, args, results)
         except RuntimeError as e:
             raise function.engine_error(e) from e
         finally:
             model.checkin(context)
-            releases = self._releases
-            if taken < len(releases):
-                releases = releases[len(releases) - taken:]
-            for release, readonly in releases:
-                release(readonly)
+            if taken and give_all(cores, self._lock_modes, taken):
+                wake_waiting(self._locks[:taken])
 
         outputs = self._outputs
         if self._in_place:

@@ -2,29 +2,29 @@
 
 Across processes it is a `flock` on the surface's descriptor (a process that dies drops its locks). Threads of
 one process share that descriptor's open file description, where a second flock would silently convert or drop
-the first; so the process-level lock is taken once, and a condition guards which threads hold it.
+the first; so the process-level lock is taken once, and the in-process state says which threads hold it.
 
-`acquire`/`release` are the cheap pair a caller on a hot path uses (the engine locks bound surfaces around every
-call); `Surface.lock()` wraps them in a context manager that also yields the data.
+That state and the flocks live in a small C type (`_lockcore.c`): the engine locks bound surfaces around every
+call, right after a call that streamed a frame through the caches, and in Python that bookkeeping cost 25-30 us
+a 1080p frame. `take_all`/`give_all` take and give back all of one engine call's locks in one C call each;
+`acquire`/`release` are the pair for everything else, and `Surface.lock()` wraps them in a context manager that
+also yields the data. What may wait (a lock held by another process or thread, with a timeout) is Python, here.
 """
 
 from __future__ import annotations
 
-import fcntl
 import mmap
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from threading import get_ident
 
 from onecopy.errors import InvalidArgument, OnecopyError
+from onecopy.surface._lockcore import LockCore, give_all, take_all
 
-__all__ = ["SurfaceLock", "closed_error"]
+__all__ = ["SurfaceLock", "closed_error", "take_all", "give_all", "wake_waiting"]
 
 _POLL_MAX_S = 0.002  # a lock held by another process is retried at most this far apart
-_U64_MAX = 2**64 - 1
-_SHARED_NOW = fcntl.LOCK_SH | fcntl.LOCK_NB
-_EXCLUSIVE_NOW = fcntl.LOCK_EX | fcntl.LOCK_NB
 
 
 def closed_error(name: str, what: str) -> InvalidArgument:
@@ -42,78 +42,54 @@ class SurfaceLock:
     an error."""
 
     def __init__(self, fd: int, name: str, surface_map: mmap.mmap, generation_at: int) -> None:
-        self._fd = fd
         self._name = name
-        # The counter as a one-element view: a writer's release bumps it right after an engine call, when every
-        # Python object touched misses the caches (invocation.py); indexing a view costs a third of a struct
-        # unpack and pack on the map. The header is little-endian (header.py), as this view is on the CPUs onecopy
-        # runs on (x86_64, aarch64).
-        if sys.byteorder != "little":
-            raise OnecopyError("onecopy surfaces need a little-endian CPU.")
-        self._generation = memoryview(surface_map)[generation_at:generation_at + 8].cast("Q")
-        self.closed = False
-        # Guards the in-process state below; flock alone cannot, since threads share one file description. A plain
-        # Lock, entered directly on the fast paths: a bound surface is locked around every engine call, and what
-        # runs after a call that streamed a frame runs cache-cold (a Python-level RLock/Condition enter costs more).
-        self._mutex = threading.Lock()
-        self.cond = threading.Condition(self._mutex)
-        self._readers = 0
-        self._reader_threads: dict[int, int] = {}  # thread -> read locks it holds
-        self._waiting = 0  # threads in cond.wait(): a release wakes them only if there are any
-        self._writer_thread: int | None = None
+        self.core = LockCore(fd, surface_map, generation_at)
+        # Waiters of the slow path sleep on it (a release wakes them); the surface also guards its own state with
+        # it (closed, views handed out).
+        self.cond = threading.Condition()
+        # Read locks taken through `acquire`, per thread: a thread that reads may not also ask for the write lock
+        # (on one descriptor that flock would convert the shared lock). The engine's own read locks are not
+        # counted here: no thread can ask for another lock while it is inside an engine call.
+        self._reader_threads: dict[int, int] = {}
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.core.closed)
 
     def mark_closed(self) -> None:
-        """The surface is closed: later acquires raise, waiting ones wake and raise. Call under `cond`."""
-        self.closed = True
-        self._generation.release()  # gives the map's export back, so the surface's close can unmap it
+        """The surface is closed: later acquires raise, waiting ones wake and raise, and the lock lets go of the
+        map (the surface can unmap it). Call under `cond`."""
+        self.core.mark_closed()
         self.cond.notify_all()
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self.core.closed:
             raise closed_error(self._name, "lock()")
 
     def held(self) -> str | None:
-        """What this process holds ("a write lock", "2 read lock(s)"), or None. Call under `cond`."""
-        if self._writer_thread is not None:
+        """What this process holds ("a write lock", "2 read lock(s)"), or None."""
+        core = self.core
+        if core.writer:
             return "a write lock"
-        return f"{self._readers} read lock(s)" if self._readers else None
+        return f"{core.readers} read lock(s)" if core.readers else None
 
-    def acquire(self, readonly: bool = False, timeout: float | None = None) -> None:
-        """Take the lock for the calling thread; `timeout` seconds (0: don't wait) or None (wait for ever)."""
+    def acquire(self, readonly: bool = False, timeout: float | None = None, *, track: bool = True) -> None:
+        """Take the lock for the calling thread; `timeout` seconds (0: don't wait) or None (wait for ever).
+        `track=False` (the engine's read locks): not counted as this thread's, see `_reader_threads`."""
         thread = get_ident()
-        # Fast path, written out flat (it runs twice per bound surface per engine call): the lock is free in this
-        # process and the flock is granted at once, or this process already holds the shared one.
-        with self._mutex:
-            if not self.closed and self._writer_thread is None:
-                try:
-                    if readonly:
-                        if not self._readers:
-                            fcntl.flock(self._fd, _SHARED_NOW)
-                        self._readers += 1
-                        threads = self._reader_threads
-                        threads[thread] = threads.get(thread, 0) + 1
-                        return
-                    if not self._readers:
-                        fcntl.flock(self._fd, _EXCLUSIVE_NOW)
-                        self._writer_thread = thread
-                        return
-                except BlockingIOError:
-                    pass  # held by another process: wait below
-        self._acquire_waiting(readonly, timeout, thread)
-
-    def _try_flock(self, operation: int) -> bool:
-        try:
-            fcntl.flock(self._fd, operation | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
+        if not self.core.try_acquire(readonly, thread):
+            self._acquire_waiting(readonly, timeout, thread)
+        if readonly and track:
+            threads = self._reader_threads
+            threads[thread] = threads.get(thread, 0) + 1
 
     def _acquire_waiting(self, readonly: bool, timeout: float | None, thread: int) -> None:
         """The slow path of `acquire`: closed, nested, or held elsewhere (then poll until free or timed out)."""
+        core = self.core
         with self.cond:
             self._check_open()
             # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
-            if self._writer_thread == thread or (not readonly and thread in self._reader_threads):
+            if core.writer == thread or (not readonly and thread in self._reader_threads):
                 raise InvalidArgument(
                     f"Surface '{self._name}': this thread already holds a lock on it; a write lock cannot be nested. "
                     "Leave the outer `with surface.lock()` block first."
@@ -122,16 +98,8 @@ class SurfaceLock:
             poll = 0.0001
             while True:
                 self._check_open()
-                if self._writer_thread is None and readonly and self._readers:
-                    self._take_read(thread)  # this process already holds the shared flock
+                if core.try_acquire(readonly, thread):
                     return
-                if self._writer_thread is None and (readonly or not self._readers):
-                    if self._try_flock(fcntl.LOCK_SH if readonly else fcntl.LOCK_EX):
-                        if readonly:
-                            self._take_read(thread)
-                        else:
-                            self._writer_thread = thread
-                        return
                 # Poll rather than block in flock(): a blocked flock could not honour a timeout, and would keep
                 # this condition held so other threads could neither time out nor close.
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -142,38 +110,36 @@ class SurfaceLock:
                         f"Surface '{self._name}' is locked by another process or thread; could not take the {mode} "
                         f"lock {waited}. Retry later or pass a longer timeout=."
                     )
-                self._waiting += 1
+                core.waiting += 1
                 try:
                     self.cond.wait(poll if remaining is None else min(poll, remaining))
                 finally:
-                    self._waiting -= 1
+                    core.waiting -= 1
                 poll = min(poll * 2, _POLL_MAX_S)
 
-    def _take_read(self, thread: int) -> None:
-        self._readers += 1
-        self._reader_threads[thread] = self._reader_threads.get(thread, 0) + 1
+    def release(self, readonly: bool = False, *, track: bool = True) -> None:
+        """Give back the lock the calling thread took with `acquire(readonly, track=track)`."""
+        if readonly and track:
+            thread = get_ident()
+            threads = self._reader_threads
+            held = threads.get(thread, 0) - 1
+            if held < 0:
+                raise InvalidArgument(f"Surface '{self._name}': this thread holds no read lock on it to release.")
+            if held:
+                threads[thread] = held
+            else:
+                del threads[thread]
+        if self.core.release(readonly):
+            self.wake_waiters()
 
-    def release(self, readonly: bool = False) -> None:
-        """Give back the lock the calling thread took with `acquire(readonly)`."""
-        thread = get_ident()
-        with self._mutex:
-            try:
-                if readonly:
-                    self._readers -= 1
-                    held = self._reader_threads[thread] - 1
-                    if held:
-                        self._reader_threads[thread] = held
-                    else:
-                        del self._reader_threads[thread]
-                    if self._readers == 0:
-                        fcntl.flock(self._fd, fcntl.LOCK_UN)
-                else:
-                    try:
-                        generation = self._generation
-                        generation[0] = (generation[0] + 1) & _U64_MAX
-                    finally:
-                        self._writer_thread = None
-                        fcntl.flock(self._fd, fcntl.LOCK_UN)
-            finally:
-                if self._waiting:
-                    self.cond.notify_all()
+    def wake_waiters(self) -> None:
+        """Wake the threads waiting for this lock (after a release that said some wait)."""
+        with self.cond:
+            self.cond.notify_all()
+
+
+def wake_waiting(locks: Sequence[SurfaceLock]) -> None:
+    """After `give_all` said threads wait: wake those of every lock given back."""
+    for lock in locks:
+        if lock.core.waiting:
+            lock.wake_waiters()
