@@ -14,6 +14,7 @@ from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData
 from onecopy.runtime.backend import DelegateHandle
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel
+from onecopy.runtime._layout import same_layout
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
 
 __all__ = ["Method", "PreparedCall", "as_array"]
@@ -174,27 +175,18 @@ class Method:
 
     @staticmethod
     def _repeat(repeats: list[PreparedCall], inputs: Sequence[Any], outputs: Sequence[Any] | None) -> PreparedCall | None:
-        """The kept plan that a call on `inputs`/`outputs` reruns, or None. The same array objects match at once;
-        otherwise their layouts are compared (taken once, for all the kept plans). Outputs made read-only since
-        go the checked way, which says which one."""
+        """The kept plan that a call on `inputs`/`outputs` reruns, or None: every array at the address, and with
+        the shape, strides and dtype, it had when that plan was made, and the outputs still writable (what could
+        fail the checks of a first call). Compared in C (`_layout.c`): this runs first after the previous call,
+        cache-cold, where numpy's getters cost tens of microseconds."""
         if outputs is None:
             return None
         args = (*inputs, *outputs)
-        for found in repeats:  # plain loops: this runs on every call of a frame loop
-            if found.same_arrays(args):
-                break
-        else:
-            layouts = arguments_layout(args)
-            for found in repeats:
-                if layouts is not None and found.layouts == layouts:
-                    found.now_given(args)  # a loop making new views each frame matches them at once next time
-                    break
-            else:
-                return None
-        for out in outputs:
-            if not out.flags.writeable:
-                return None
-        return found
+        writable_from = len(inputs)
+        for call in repeats:
+            if same_layout(args, call.snapshots, writable_from):
+                return call
+        return None
 
     def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> PreparedCall:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
@@ -321,35 +313,13 @@ class PreparedCall:
                 # exactly what `_results` would return: the run skips it and returns this list.
                 self._direct = [storage[v] for v in single.outputs]
         # `execute` keeps a plan for the calls that repeat it when it holds nothing but views of bound surfaces
-        # (a plain array of the caller's would be kept alive by it) and every argument was a numpy array (what a
-        # repeat is matched on): see `same_arrays`.
+        # (a plain array of the caller's would be kept alive by it) and every argument was a numpy array. The
+        # snapshots are views of those arrays as they are now, which the caller cannot reshape: a later call
+        # repeats this one when its arrays are laid out as these (`Method._repeat`).
+        arrays = (*given[0], *given[1]) if given is not None else ()
         self.reusable = bool(self._direct is not None and getattr(self._planned, "only_surfaces", False)
-                             and given is not None)
-        self.layouts: tuple | None = None
-        self._given: tuple[Any, ...] = ()
-        self._shapes: tuple = ()
-        if self.reusable:
-            self._given = (*given[0], *given[1])  # type: ignore[index]
-            self.layouts = arguments_layout(self._given)
-            self.reusable = self.layouts is not None
-            if self.layouts is not None:
-                self._shapes = tuple(layout[1:] for layout in self.layouts)
-
-    def same_arrays(self, args: tuple[Any, ...]) -> bool:
-        """Whether `args` are the very arrays this call was planned with, still shaped as they were (shape,
-        strides and dtype of an array can be reassigned in place; its address cannot while the plan holds it)."""
-        given = self._given
-        if len(args) != len(given):
-            return False
-        for arg, planned, shape in zip(args, given, self._shapes):
-            if arg is not planned or (arg.shape, arg.strides, arg.dtype) != shape:
-                return False
-        return True
-
-    def now_given(self, args: tuple[Any, ...]) -> None:
-        """Match `args` by identity from now on: they have this call's layouts (same addresses, and the memory
-        there is the memory planned, which the plan keeps mapped)."""
-        self._given = args
+                             and arrays and all(type(a) is np.ndarray for a in arrays))
+        self.snapshots: tuple[np.ndarray, ...] = tuple(a.view() for a in arrays) if self.reusable else ()
 
     @property
     def last_copy_stats(self) -> CopyStats:
@@ -378,13 +348,3 @@ class PreparedCall:
         which may be new views of the planned storage."""
         self.run()
         return list(outputs)
-
-
-def arguments_layout(args: Sequence[Any]) -> tuple | None:
-    """Address, shape, strides and dtype of each argument, or None when one is not a numpy array."""
-    layouts = []
-    for arg in args:
-        if type(arg) is not np.ndarray:
-            return None
-        layouts.append((arg.__array_interface__["data"][0], arg.shape, arg.strides, arg.dtype))
-    return tuple(layouts)
