@@ -175,6 +175,22 @@ def paired_ratio(a: Stats, b: Stats) -> float:
     return statistics.median(ratios) if ratios else a.median_ms / b.median_ms
 
 
+def paired_interval(a: Stats, b: Stats, *, confidence: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap interval of `paired_ratio`: the rounds resampled with replacement `resamples` times (seeded),
+    the middle `confidence` of the medians. It says whether a run resolved a target: on this machine a round's
+    medians can differ 4x within one run, and a ratio 2% under a threshold may be 5% over it in the next run."""
+    import random
+
+    ratios = [x / y for x, y in zip(a.round_medians_ms, b.round_medians_ms) if y > 0]
+    if len(ratios) < 5:
+        return None
+    choices = random.Random(seed).choices
+    medians = sorted(statistics.median(choices(ratios, k=len(ratios))) for _ in range(resamples))
+    cut = int(resamples * (1 - confidence) / 2)
+    return medians[cut], medians[resamples - 1 - cut]
+
+
 def _stats(samples: Sequence[float], rounds: int = 0, discarded: int = 0,
            round_medians: Sequence[float] = ()) -> Stats:
     ordered = sorted(samples)
@@ -275,8 +291,10 @@ def median(values: Sequence[float]) -> float:
 # -- targets ---------------------------------------------------------------------------------------------------
 
 
-def target(name: str, value: float | None, op: str, threshold: float, note: str = "") -> dict[str, Any]:
-    """One target of the issue and whether this run met it. `op` is '<=' or '>='."""
+def target(name: str, value: float | None, op: str, threshold: float, note: str = "",
+           interval: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One target of the issue and whether this run met it. `op` is '<=' or '>='. `interval` (`paired_interval`):
+    when it contains the threshold, the run did not resolve the target either way, and the verdict says so."""
     if value is None:
         met = None
     elif op == "<=":
@@ -286,18 +304,30 @@ def target(name: str, value: float | None, op: str, threshold: float, note: str 
     else:
         raise ValueError(op)
     entry = {"name": name, "value": value, "op": op, "threshold": threshold, "met": met}
+    if interval is not None:
+        entry["interval_95"] = [interval[0], interval[1]]
+        entry["resolved"] = not interval[0] <= threshold <= interval[1]
     if note:
         entry["note"] = note
     return entry
 
 
+TARGET_COLUMNS = ["target", "measured", "95% interval", "wanted", "verdict"]
+
+
+def target_row(t: Mapping[str, Any]) -> list[str]:
+    """A target as a table row (TARGET_COLUMNS)."""
+    value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
+    verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+    if t.get("resolved") is False:
+        verdict += " (unresolved)"
+    interval = t.get("interval_95")
+    spread = f"{interval[0]:.3f}-{interval[1]:.3f}" if interval else "-"
+    return [t["name"], value, spread, f"{t['op']} {t['threshold']}", verdict]
+
+
 def print_targets(targets: Sequence[Mapping[str, Any]]) -> None:
-    rows = []
-    for t in targets:
-        value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        rows.append([t["name"], value, f"{t['op']} {t['threshold']}", verdict])
-    print_table(["target", "measured", "wanted", "verdict"], rows, title="targets")
+    print_table(TARGET_COLUMNS, [target_row(t) for t in targets], title="targets")
 
 
 # -- tables ----------------------------------------------------------------------------------------------------

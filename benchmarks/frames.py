@@ -274,16 +274,23 @@ def main() -> int:
     print(f"onecopy bound - pure engine compute: {ms['onecopy bound'] - ms['pure engine compute']:.3f} ms per call "
           f"(model A); pipeline: {cms[bound_name] - cms[raw_name]:.3f} ms per frame (2 calls)")
     copy_over_bound = ratio("onecopy copy", "onecopy bound")
+    def interval(a: str, b: str, table: dict = stats) -> tuple[float, float] | None:
+        return common.paired_interval(table[a], table[b])
+
     targets = [
         common.target("bound / pure engine compute (model A)", bound_over_pure, "<=", TARGET_BOUND_OVER_PURE,
-                      "issue target"),
+                      "issue target", interval("onecopy bound", "pure engine compute")),
         common.target("bound, prepared / pure engine compute (model A)", prepared_over_pure, "<=",
-                      TARGET_BOUND_OVER_PURE, "issue target, with the call planned once (Method.prepare)"),
-        common.target("copy / bound (model A)", copy_over_bound, ">=", TARGET_COPY_OVER_BOUND, "issue target"),
+                      TARGET_BOUND_OVER_PURE, "issue target, with the call planned once (Method.prepare)",
+                      interval("onecopy bound, prepared", "pure engine compute")),
+        common.target("copy / bound (model A)", copy_over_bound, ">=", TARGET_COPY_OVER_BOUND, "issue target",
+                      interval("onecopy copy", "onecopy bound")),
         common.target("pipeline bound / pure engine compute", chain_ratio(bound_name, raw_name), "<=",
-                      TARGET_BOUND_OVER_PURE, "for information: the same threshold applied to the A -> B pipeline"),
+                      TARGET_BOUND_OVER_PURE, "for information: the same threshold applied to the A -> B pipeline",
+                      interval(bound_name, raw_name, chain_stats)),
         common.target("pipeline copied / bound", chain_ratio(copied_name, bound_name), ">=", TARGET_COPY_OVER_BOUND,
-                      "for information: the same threshold applied to the A -> B pipeline"),
+                      "for information: the same threshold applied to the A -> B pipeline",
+                      interval(copied_name, bound_name, chain_stats)),
     ]
     common.print_targets(targets)
     run.write({

@@ -169,6 +169,7 @@ def main() -> int:
                     targets.append(common.target(
                         f"{config}: onecopy/{peer}", ratios[peer], "<=", threshold,
                         "issue target" if label == "builtin" else "same threshold, for information",
+                        common.paired_interval(stats["onecopy"], stats[peer]),
                     ))
                 del peers
             program.close()

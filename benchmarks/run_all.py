@@ -47,14 +47,11 @@ def main() -> int:
     rows = []
     for name in chosen:
         if name in failed:
-            rows.append([name, "(benchmark failed)", "", "", ""])
+            rows.append([name, "(benchmark failed)", "", "", "", ""])
             continue
         document = json.loads(common.results_path(name, args.quick).read_text())
-        for t in document.get("targets", []):
-            value = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-            verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-            rows.append([name, t["name"], value, f"{t['op']} {t['threshold']}", verdict])
-    common.print_table(["benchmark", "target", "measured", "wanted", "verdict"], rows, title="===== all targets =====")
+        rows.extend([name, *common.target_row(t)] for t in document.get("targets", []))
+    common.print_table(["benchmark", *common.TARGET_COLUMNS], rows, title="===== all targets =====")
     print("\n" + ", ".join(f"{n} {s:.0f} s" for n, s in durations.items()))
     return 1 if failed else 0
 
