@@ -82,9 +82,61 @@ def test_bad_output_storage_is_reported(forward):
         forward.execute([x], outputs=[np.zeros((1, 64), np.float16)])
 
 
+def test_a_call_shaped_as_a_checked_one_skips_the_checks(small_program_path, small_model, rng, monkeypatch):
+    with Runtime().load_program(small_program_path) as program:
+        forward = program.load_method("forward")
+        first = rng.standard_normal((1, 64), dtype=np.float32)
+        forward.execute([first])
+        # From now on a call on arrays of that shape and dtype goes straight to the delegate: the first call's
+        # checks (`_arguments`) are not run again, and the results are those of the new input.
+        monkeypatch.setattr(type(forward), "_arguments", lambda *a: pytest.fail("the checks ran again"))
+        for _ in range(3):
+            x = rng.standard_normal((1, 64), dtype=np.float32)
+            (y,) = forward.execute([x])
+            np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+            assert forward.last_copy_stats.copied_in == x.nbytes and forward.last_copy_stats.copied_out == y.nbytes
+        strided = np.repeat(first, 2, axis=1)[:, ::2]  # same shape, other strides: copied densely
+        np.testing.assert_allclose(forward.execute((strided,))[0], eager(small_model, first)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ([np.zeros((1, 64), np.float64)], r"has dtype float64; expected float32"),
+        ([np.zeros((1, 64), ">f4")], r"has dtype >f4; expected float32"),
+        ([np.zeros((1, 1, 64), np.float32)], r"has shape \[1, 1, 64\]; expected \[1, 64\]"),
+        ([np.zeros((1, 64), np.float32)] * 2, r"takes 1 inputs, got 2"),
+    ],
+)
+def test_after_a_checked_call_bad_inputs_are_still_reported(forward, inputs, message):
+    forward.execute([np.zeros((1, 64), np.float32)])
+    with pytest.raises(ExecutionError, match=message):
+        forward.execute(inputs)
+
+
+def test_a_surface_bound_after_checked_calls_is_read_in_place(small_program_path, small_model, rng):
+    from onecopy import Surface
+
+    with Runtime().load_program(small_program_path) as program, Surface.create(1, 64, "float32") as surface:
+        forward = program.load_method("forward")
+        x = rng.standard_normal((1, 64), dtype=np.float32)
+        forward.execute([x])
+        forward.execute([x])
+        forward.bind_surface(surface)
+        frame = surface.array().reshape(1, 64)
+        frame[...] = x
+        (y,) = forward.execute([frame])
+        stats = forward.last_copy_stats
+        assert (stats.copied_in, stats.in_place_in) == (0, x.nbytes)
+        np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+        forward.execute([x])  # a plain array of that shape is still copied in
+        assert forward.last_copy_stats.copied_in == x.nbytes
+
+
 def test_closed_program_refuses_to_run(small_program_path):
     program = Runtime().load_program(small_program_path)
     method = program.load_method("forward")
+    method.execute([np.zeros((1, 64), np.float32)])  # a checked call: the next ones take the short way
     program.close()
     program.close()  # idempotent
     with pytest.raises(ExecutionError, match="belongs to a closed program"):

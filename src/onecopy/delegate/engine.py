@@ -19,7 +19,7 @@ import numpy as np
 
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
-from onecopy.delegate.invocation import Invocation
+from onecopy.delegate.invocation import Invocation, call_copied
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 
 ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
@@ -292,8 +292,9 @@ class EngineFunction:
 
     `outputs_in_place`: the function is destination-passing (outputs as trailing arguments, written in place).
     A bound surface given as output storage is then handed over as is, so the engine writes the surface itself;
-    other storage gets an engine buffer that is copied out after the call. Each call is an `Invocation`
-    (onecopy.delegate.invocation): planned, then run; `prepare` keeps the plan for many runs.
+    other storage gets an engine buffer that is copied out after the call. A call with nothing bound to plan is
+    `call_copied`; any other is an `Invocation` (onecopy.delegate.invocation): planned, then run; `prepare` keeps
+    the plan for many runs.
     """
 
     def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False):
@@ -315,6 +316,8 @@ class EngineFunction:
     def __call__(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
     ) -> list[np.ndarray]:
+        if not self.bindings and not self.outputs_in_place:
+            return call_copied(self, inputs, outputs, stats if stats is not None else CopyStats())
         return Invocation(self, inputs, outputs).run(stats)
 
     def prepare(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> Invocation:

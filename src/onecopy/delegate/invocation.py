@@ -29,13 +29,38 @@ from onecopy.surface.lock import give_all, take_all, wake_waiting
 if TYPE_CHECKING:
     from onecopy.delegate.binding import SurfaceBinding
     from onecopy.delegate.engine import EngineFunction
-    from onecopy.surface.lock import SurfaceLock
 
-__all__ = ["Invocation"]
+__all__ = ["Invocation", "call_copied"]
 
 
 def data_pointer(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
+
+
+def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
+                stats: CopyStats) -> list[np.ndarray]:
+    """The common call, with nothing to plan: no surface bound, results returned by the engine. The inputs are
+    copied into engine buffers and the results copied out (into `outputs[i]` where given). Written out flat, with
+    no plan object: what runs after the engine runs with the interpreter's caches cold."""
+    rt = function.rt
+    args = rt.VmVariantList(len(inputs))
+    copy_in = function.copy_in
+    copied = 0
+    for array in inputs:
+        args.push_ref(copy_in(array))
+        copied += array.nbytes
+    stats.copied_in += copied
+    results = rt.VmVariantList(max(len(outputs), 1))
+    model = function.model
+    context = model.checkout()
+    try:
+        context.invoke(function.vm_function, args, results)
+    except RuntimeError as e:
+        raise function.engine_error(e) from e
+    finally:
+        model.checkin(context)
+    view_type, copy_out = rt.HalBufferView, function.copy_out
+    return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
 
 
 class Invocation:
@@ -51,15 +76,9 @@ class Invocation:
         self._result_count = max(len(outputs), 1)
         self._args: Any = None
         bindings = function.bindings
-        if not bindings and not self._in_place:  # the common call: nothing bound, results returned
+        self._plain = not bindings and not self._in_place
+        if self._plain:  # the common call: nothing bound, results returned (`call_copied` runs it)
             self._slots: list[Any] = list(inputs)
-            self._copied: list[np.ndarray] = self._slots
-            self._open_checks: list[tuple[SurfaceBinding, str]] = []
-            self._locks: list[SurfaceLock] = []
-            self._lock_cores: tuple = ()
-            self._lock_modes: tuple[bool, ...] = ()
-            self._staged: list[tuple[int, Any]] = []
-            self._constant = CopyStats(copied_in=sum(array.nbytes for array in inputs))
             self.only_surfaces = False
             return
         device = function.model.device
@@ -149,6 +168,8 @@ class Invocation:
         giving back the locks and the VM context, and the results."""
         stats = stats if stats is not None else CopyStats()
         function = self._function
+        if self._plain:
+            return call_copied(function, self._slots, self._outputs, stats)
         for binding, what in self._open_checks:
             binding.check_open(what)
         args = self._args
