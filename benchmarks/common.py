@@ -175,20 +175,29 @@ def paired_ratio(a: Stats, b: Stats) -> float:
     return statistics.median(ratios) if ratios else a.median_ms / b.median_ms
 
 
+def paired_difference_ms(a: Stats, b: Stats) -> float:
+    """Median over the rounds of (a's median in the round - b's): what a adds to b, paired like `paired_ratio`."""
+    differences = [x - y for x, y in zip(a.round_medians_ms, b.round_medians_ms)]
+    return statistics.median(differences) if differences else a.median_ms - b.median_ms
+
+
 def paired_interval(a: Stats, b: Stats, *, confidence: float = 0.95, resamples: int = 2000,
                     seed: int = 0) -> tuple[float, float] | None:
     """A bootstrap interval of `paired_ratio`: the rounds resampled with replacement `resamples` times (seeded),
     the middle `confidence` of the medians. It says whether a run resolved a target: on this machine a round's
     medians can differ 4x within one run, and a ratio 2% under a threshold may be 5% over it in the next run."""
-    import random
 
-    ratios = [x / y for x, y in zip(a.round_medians_ms, b.round_medians_ms) if y > 0]
+    import numpy as np
+
+    ratios = np.array([x / y for x, y in zip(a.round_medians_ms, b.round_medians_ms) if y > 0])
     if len(ratios) < 5:
         return None
-    choices = random.Random(seed).choices
-    medians = sorted(statistics.median(choices(ratios, k=len(ratios))) for _ in range(resamples))
-    cut = int(resamples * (1 - confidence) / 2)
-    return medians[cut], medians[resamples - 1 - cut]
+    rng = np.random.default_rng(seed)
+    medians = np.concatenate([  # in chunks: thousands of rounds (measure_alternating) times 2000 resamples
+        np.median(ratios[rng.integers(0, len(ratios), (chunk, len(ratios)))], axis=1)
+        for chunk in [200] * (resamples // 200) + ([resamples % 200] if resamples % 200 else [])])
+    low, high = np.quantile(medians, [(1 - confidence) / 2, 1 - (1 - confidence) / 2])
+    return float(low), float(high)
 
 
 def _stats(samples: Sequence[float], rounds: int = 0, discarded: int = 0,
@@ -213,6 +222,7 @@ def measure(
     min_inner: int = 3,
     max_inner: int = 200,
     settle_s: float = 0.005,
+    prime: bool = True,
     seed: int = 0,
     busy_threshold: float = 0.15,
 ) -> dict[str, Stats]:
@@ -222,7 +232,7 @@ def measure(
     The order of the peers is shuffled every round (seeded): a fixed rotation would always run a peer right
     after the same other one, whose thread pool may still be spinning (ONNX Runtime's and torch's OpenMP
     workers spin for a while after a call, and this machine may have few cores). Before each peer's block the
-    process sleeps `settle_s` so such workers go idle; the sleep is not timed.
+    process sleeps `settle_s` so such workers go idle, then (`prime`) makes one untimed call; neither is timed.
 
     A round during which other processes kept more than `busy_threshold` of the CPUs busy is thrown away and
     measured again (at most as many extra rounds as planned): on a shared machine a burst of someone else's work
@@ -251,17 +261,19 @@ def measure(
     kept = discarded = 0
     while kept < rounds:
         shuffle(order)
-        snapshot = cpu_snapshot()
+        snapshot = cpu_snapshot() if busy_threshold < 1 else None
         this_round: dict[str, list[float]] = {name: [] for name in names}
         for name in order:
             fn, out = peers[name], this_round[name]
-            time.sleep(settle_s)
-            fn()  # one untimed call: the first after the pause pays for waking the peer's threads
+            if settle_s:
+                time.sleep(settle_s)
+            if prime:
+                fn()  # one untimed call: the first after the pause pays for waking the peer's threads
             for _ in range(inner):
                 start = clock()
                 fn()
                 out.append(clock() - start)
-        if foreign_cpu(snapshot)["fraction"] > busy_threshold and discarded < rounds:
+        if snapshot is not None and foreign_cpu(snapshot)["fraction"] > busy_threshold and discarded < rounds:
             discarded += 1
             continue
         kept += 1
@@ -269,6 +281,21 @@ def measure(
             samples[name].extend(this_round[name])
             round_medians[name].append(statistics.median(this_round[name]))
     return {name: _stats(samples[name], kept, discarded, round_medians[name]) for name in names}
+
+
+def measure_alternating(peers: Mapping[str, Callable[[], Any]], *, budget_s: float, seed: int = 1) -> dict[str, Stats]:
+    """Time peers that share one engine and its threads (onecopy and the same IREE module called raw, on the same
+    device) call by call: each round is one call of each peer, in a shuffled order, with no pause between, for
+    as many rounds as `budget_s` allows (at least 50). A round's ratio then compares two calls made
+    milliseconds apart, so the drift of this machine (seconds long, tens of percent) cancels within each pair,
+    and the rounds are many: the interval of `paired_ratio` is a few times narrower than `measure`'s, whose
+    rounds run blocks of calls, a pause and a priming call per peer (needed there for peers whose thread pools
+    spin, ONNX Runtime's and torch's; not between calls on one IREE device, whose workers the previous call
+    leaves in the same state for every peer)."""
+    # No round is thrown away for other processes' CPU: /proc/stat counts in 10 ms ticks, too coarse to judge a
+    # round of a few calls; a burst lands on both calls of a pair alike, and the caller reports the whole run's.
+    return measure(peers, budget_s=budget_s, min_rounds=50, max_rounds=20_000, warmup=10, min_inner=1,
+                   max_inner=1, settle_s=0.0, prime=False, seed=seed, busy_threshold=float("inf"))
 
 
 class Stopwatch:
@@ -473,6 +500,14 @@ def _relative(path: str) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
+def _compact_number_lists(text: str) -> str:
+    """Indented JSON with each list of plain numbers on one line: per-round times run to thousands of entries."""
+    import re
+
+    return re.sub(r"\[\s*(-?[0-9][-+0-9.eE]*(?:,\s*-?[0-9][-+0-9.eE]*)*)\s*\]",
+                  lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")) + "]", text)
+
+
 def write_results(name: str, payload: Mapping[str, Any], *, machine: Mapping[str, Any], quick: bool,
                   started: float, output: Path | None = None, cpu_start: CpuSnapshot | None = None) -> Path:
     """Write benchmarks/results/<name>.json atomically: machine, run info, then the script's payload. A quick
@@ -491,7 +526,7 @@ def write_results(name: str, payload: Mapping[str, Any], *, machine: Mapping[str
         **payload,
     }
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_jsonable(document), indent=2) + "\n")
+    tmp.write_text(_compact_number_lists(json.dumps(_jsonable(document), indent=2)) + "\n")
     os.replace(tmp, path)
     if cpu_start is not None:
         seen = foreign_cpu(cpu_start)
