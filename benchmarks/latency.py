@@ -102,7 +102,7 @@ def main() -> int:
     flags = compiler_flags(host_cpu_target(), for_host=True)
     print(f"IREE compile flags of the specialization: {' '.join(flags)}")
     budget = 1.5 if run.quick else 10.0
-    close_budget = 1.0 if run.quick else 6.0
+    close_budget = 1.0 if run.quick else 12.0
 
     rows, results, targets, programs = [], [], [], []
     with common.temp_workdir("latency") as work, common.isolated_cache(work / "cache") as cache_dir:
