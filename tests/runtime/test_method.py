@@ -99,6 +99,34 @@ def test_a_call_shaped_as_a_checked_one_skips_the_checks(small_program_path, sma
         np.testing.assert_allclose(forward.execute((strided,))[0], eager(small_model, first)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constants():
+    import types
+
+    from onecopy.runtime.method import CheckedCall
+
+    class Handle:
+        has_bound_surfaces = False
+
+        def execute(self, inputs, outputs, stats):
+            self.seen = (list(inputs), list(outputs))
+            return ["result"]
+
+    method = types.SimpleNamespace(_closed=threading.Event(), _local=threading.local())
+    constant = np.arange(4.0)
+    a, b, c = np.zeros(2), np.ones(3), np.ones(1)
+    templates = tuple(np.broadcast_to(np.zeros(()), x.shape) for x in (a, b, c))
+    handle = Handle()
+    call = CheckedCall(method, handle, templates, (constant, 2, 0), outputs=2)
+    assert call.run([a, b, c]) == ["result"]
+    assert handle.seen[0][0] is constant and handle.seen[0][1] is c and handle.seen[0][2] is a
+    assert handle.seen[1] == [None, None]
+    direct = CheckedCall(method, handle, templates, (0, 1, 2), outputs=1)
+    direct.run([a, b, c])
+    assert [x is y for x, y in zip(handle.seen[0], (a, b, c))] == [True] * 3
+    handle.has_bound_surfaces = True  # bound since: the call must go the checked way
+    assert direct.run([a, b, c]) is None
+
+
 @pytest.mark.parametrize(
     "inputs, message",
     [

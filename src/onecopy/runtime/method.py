@@ -337,7 +337,9 @@ class CheckedCall:
         self.templates = templates
         # Per delegate input: the index of the method input it is, or a constant of the program.
         self._arguments = arguments
-        self._direct = arguments == tuple(range(len(templates)))  # the delegate takes the inputs as given
+        # The delegate takes the inputs as given (compared one by one: a constant is an array, never equal).
+        self._direct = len(arguments) == len(templates) and all(
+            type(a) is int and a == i for i, a in enumerate(arguments))
         self._nothing: list[None] = [None] * outputs
 
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray] | None:
