@@ -104,12 +104,15 @@ def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constant
 
     from onecopy.runtime.method import CheckedCall
 
-    class Handle:
+    class Handle(DelegateHandle):  # the default copied_call: each call an execute
         has_bound_surfaces = False
 
         def execute(self, inputs, outputs, stats):
             self.seen = (list(inputs), list(outputs))
             return ["result"]
+
+        def destroy(self):
+            pass
 
     method = types.SimpleNamespace(_closed=threading.Event(), _local=threading.local())
     constant = np.arange(4.0)

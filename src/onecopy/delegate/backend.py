@@ -66,6 +66,16 @@ class IreeDelegate(DelegateHandle):
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
         return function.prepare(inputs, outputs)
 
+    def copied_call(
+        self, inputs: Sequence[np.ndarray], outputs: int
+    ) -> Callable[[Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        if function.outputs_in_place:  # needs output storage: not a call that returns its results
+            return super().copied_call(inputs, outputs)
+        return function.copied_call(inputs, outputs)
+
     def bind_surface(self, surface: Any) -> None:
         function = self._function
         if function is None:

@@ -54,6 +54,17 @@ class DelegateHandle(abc.ABC):
         nothing ahead gets this default: each run is an `execute`."""
         return lambda stats: self.execute(inputs, outputs, stats)
 
+    def copied_call(
+        self, inputs: Sequence[np.ndarray], outputs: int
+    ) -> Callable[[Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+        """A call for inputs shaped as `inputs` (shapes and dtypes; the arrays may hold no memory of their own),
+        nothing bound, `outputs` results returned: a callable taking the arrays and the `CopyStats` to add to.
+        `Method.execute` makes one per input signature that passed its checks and calls it for every later call of
+        that signature, so a backend may work out here what does not change between such calls. This default runs
+        each as an `execute`."""
+        nothing: list[None] = [None] * outputs
+        return lambda arrays, stats: self.execute(arrays, nothing, stats)
+
     def bind_surface(self, surface: Any) -> None:
         """Read and write `surface` in place when an argument's data pointer is its base address."""
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) cannot bind surfaces.")

@@ -326,7 +326,7 @@ class CheckedCall:
     first after the previous call, with the interpreter's caches cold (a call streaming the built-in model's 32 MB
     of weights paid 80 us for it, 5% of the call). Immutable, so shared by every thread calling the method."""
 
-    __slots__ = ("_method", "_closed", "_local", "_handle", "templates", "_arguments", "_nothing", "_direct")
+    __slots__ = ("_method", "_closed", "_local", "_handle", "templates", "_arguments", "_call", "_direct")
 
     def __init__(self, method: Method, handle: DelegateHandle, templates: tuple[np.ndarray, ...],
                  arguments: tuple[int | np.ndarray, ...], outputs: int) -> None:
@@ -340,7 +340,9 @@ class CheckedCall:
         # The delegate takes the inputs as given (compared one by one: a constant is an array, never equal).
         self._direct = len(arguments) == len(templates) and all(
             type(a) is int and a == i for i, a in enumerate(arguments))
-        self._nothing: list[None] = [None] * outputs
+        # What the delegate can work out once for this signature, it does now (DelegateHandle.copied_call).
+        shapes = [a if isinstance(a, np.ndarray) else templates[a] for a in arguments]
+        self._call = handle.copied_call(shapes, outputs)
 
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray] | None:
         """The call's results; None when a surface was bound since (the call must go the checked way)."""
@@ -353,7 +355,7 @@ class CheckedCall:
             inputs[a] if isinstance(a, int) else a for a in self._arguments]
         stats = CopyStats()
         debug = log.isEnabledFor(DEBUG)
-        produced = handle.execute(arguments, self._nothing, stats)
+        produced = self._call(arguments, stats)
         self._local.stats = stats  # Method._record_stats, inline: this runs cache-cold, after the engine
         if debug:
             self._method._record_stats(stats, debug)
