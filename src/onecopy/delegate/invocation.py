@@ -134,6 +134,10 @@ class Invocation:
         self._locks = [surface._lock for surface, _ in ordered]
         self._lock_cores = tuple(lock.core for lock in self._locks)
         self._lock_modes = tuple(readonly for _, readonly in ordered)
+        # When every bound surface is one whose lock the run takes, a closed one fails `take_all` (closing marks
+        # its lock closed): the run checks them only then, for the error. Otherwise it checks them all first.
+        locked = {id(surface) for surface, _ in ordered}
+        self._checks_first = [(b, w) for b, w in self._open_checks if id(b.surface) not in locked]
         self._constant = CopyStats(copied_in=copied_in, in_place_in=in_place_in, in_place_out=in_place_out)
         if not self._copied:  # every argument is a view: one argument list serves every run
             self._args = rt.VmVariantList(len(self._slots))
@@ -143,8 +147,6 @@ class Invocation:
         # only, none of the caller's own arrays, so keeping it for the next call costs no memory.
         self.only_surfaces = not self._copied and not self._staged and self._in_place
 
-    def __call__(self, stats: CopyStats | None = None) -> list[np.ndarray]:
-        return self.run(stats)
 
     def _take_waiting(self, taken: int) -> int:
         """The locks `take_all` could not take at once, from `taken` on, waiting as long as it takes (a surface
@@ -170,7 +172,7 @@ class Invocation:
         function = self._function
         if self._plain:
             return call_copied(function, self._slots, self._outputs, stats)
-        for binding, what in self._open_checks:
+        for binding, what in self._checks_first:
             binding.check_open(what)
         args = self._args
         if args is None:
@@ -189,6 +191,8 @@ class Invocation:
             if cores:
                 taken = take_all(cores, self._lock_modes, get_ident())
                 if taken < len(cores):
+                    for binding, what in self._open_checks:  # a closed surface: say which
+                        binding.check_open(what)
                     taken = self._take_waiting(taken)
             context.invoke(self._vm_function, args, results)
         except RuntimeError as e:
@@ -206,3 +210,5 @@ class Invocation:
         rt = self._rt
         return [function.copy_out(results.get_as_object(i, rt.HalBufferView), out, stats)
                 for i, out in enumerate(outputs)]
+
+    __call__ = run  # an Invocation is the callable `prepare` returns; no extra frame per run

@@ -144,7 +144,7 @@ class Method:
 
         A frame loop over bound surfaces calls with the same surfaces every time: such a call is planned once, as
         `prepare` would, and this thread's next calls on the same arrays (or new views of the same surfaces, same
-        layout) rerun the plan, with no per-argument work (see `_repeat`)."""
+        layout) rerun the plan, with no per-argument work."""
         if outputs is None:
             for checked in self._checked_calls:
                 if same_shapes(inputs, checked.templates):
@@ -153,10 +153,17 @@ class Method:
                         return produced
                     break
         repeats = getattr(self._local, "repeats", None)
-        if repeats:
-            call = self._repeat(repeats, inputs, outputs)
-            if call is not None:
-                return call._rerun(outputs)  # type: ignore[arg-type]
+        if repeats and outputs is not None:
+            # A kept plan that this call repeats: every array at the address, and with the shape, strides and
+            # dtype, it had when the plan was made, and the outputs still writable (what could fail the checks of
+            # a first call). Compared in C (`_layout.c`): this runs first after the previous call, cache-cold,
+            # where numpy's getters cost tens of microseconds; and inline, as one Python frame costs a few more.
+            args = (*inputs, *outputs)
+            writable_from = len(inputs)
+            for call in repeats:
+                if same_layout(args, call.snapshots, writable_from):
+                    call.run()
+                    return list(outputs)  # the caller's own arrays: maybe new views of the planned storage
         values, storage = self._arguments(inputs, outputs)
         whole = self._whole_call
         if whole is not None and outputs is not None and self._delegates[whole.delegate].has_bound_surfaces:
@@ -202,21 +209,6 @@ class Method:
         position = {vid: i for i, vid in enumerate(self._definition.inputs)}
         arguments = tuple(position[v] if v in position else self._constants[v] for v in whole.inputs)
         self._checked_calls = (CheckedCall(self, handle, templates, arguments, len(whole.outputs)), *known)[:CHECKED_KEPT]
-
-    @staticmethod
-    def _repeat(repeats: list[PreparedCall], inputs: Sequence[Any], outputs: Sequence[Any] | None) -> PreparedCall | None:
-        """The kept plan that a call on `inputs`/`outputs` reruns, or None: every array at the address, and with
-        the shape, strides and dtype, it had when that plan was made, and the outputs still writable (what could
-        fail the checks of a first call). Compared in C (`_layout.c`): this runs first after the previous call,
-        cache-cold, where numpy's getters cost tens of microseconds."""
-        if outputs is None:
-            return None
-        args = (*inputs, *outputs)
-        writable_from = len(inputs)
-        for call in repeats:
-            if same_layout(args, call.snapshots, writable_from):
-                return call
-        return None
 
     def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> PreparedCall:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
@@ -390,7 +382,7 @@ class PreparedCall:
         # `execute` keeps a plan for the calls that repeat it when it holds nothing but views of bound surfaces
         # (a plain array of the caller's would be kept alive by it) and every argument was a numpy array. The
         # snapshots are views of those arrays as they are now, which the caller cannot reshape: a later call
-        # repeats this one when its arrays are laid out as these (`Method._repeat`).
+        # repeats this one when its arrays are laid out as these (`Method.execute`).
         arrays = (*given[0], *given[1]) if given is not None else ()
         self.reusable = bool(self._direct is not None and getattr(self._planned, "only_surfaces", False)
                              and arrays and all(type(a) is np.ndarray for a in arrays))
@@ -402,24 +394,23 @@ class PreparedCall:
 
     def run(self) -> list[np.ndarray]:
         method = self._method
-        method._check_open()
+        if method._closed.is_set():
+            method._check_open()
         if self._planned is None:
             inputs = [self._values[v] for v in method._definition.inputs]
             return method.execute(inputs, self._outputs)
         stats = CopyStats()
         direct = self._direct
         if direct is not None:
-            debug = log.isEnabledFor(logging.DEBUG)  # decided before the engine runs, like everything else here
+            # Decided before the engine runs, like everything else here; what follows it runs cache-cold, so
+            # Method._record_stats is inlined.
+            debug = log.isEnabledFor(DEBUG)
             self._planned(stats)
-            method._record_stats(stats, debug)
+            method._local.stats = stats
+            if debug:
+                method._record_stats(stats, debug)
             return list(direct)
         values = list(self._values)
         for vid, array in zip(self._produces, self._planned(stats)):
             values[vid] = array
         return method._results(values, self._storage, self._outputs, stats)
-
-    def _rerun(self, outputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """`run()` for an `execute` that repeats this call (`Method._repeat`): returns the caller's own arrays,
-        which may be new views of the planned storage."""
-        self.run()
-        return list(outputs)
