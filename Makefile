@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test install clean
 
-$(STAMP): pyproject.toml setup.py constraints.txt src/onecopy/surface/_lockcore.c src/onecopy/runtime/_layout.c
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard src/onecopy/*/*.c src/onecopy/*/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot]'
@@ -21,4 +21,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info src/onecopy/surface/*.so src/onecopy/runtime/*.so
+	rm -rf $(VENV) build src/*.egg-info src/onecopy/*/*.so

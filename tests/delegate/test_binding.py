@@ -1,3 +1,4 @@
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from onecopy import Runtime
+from onecopy.delegate._frame_run import FrameRun
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import hal_device
 from onecopy.errors import ExecutionError, InvalidArgument
@@ -345,6 +347,27 @@ def test_a_prepared_call_reruns_on_each_new_frame_in_place(scale_bias, surfaces)
             assert call.last_copy_stats.copied == 0 and call.last_copy_stats.in_place_out == dst.nbytes
             assert dst.generation == generation + 1  # locked for writing around each run
         assert forward.last_copy_stats.copied == 0
+
+
+def test_frame_steps_run_natively_and_still_report_and_log_what_they_moved(scale_bias, surfaces, caplog):
+    """A prepared call on bound surfaces, and an execute repeating a kept plan, run as one FrameRun (C): the
+    stats they record and the debug log are the Python path's."""
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = bound_forward(program, src, dst)
+        call = forward.prepare([frame(src)], outputs=[frame(dst)])
+        assert isinstance(call.run, FrameRun)
+        with caplog.at_level(logging.DEBUG, logger="onecopy"):
+            call.run()
+            for _ in range(2):  # planned (Python), then the kept plan's FrameRun
+                forward.execute([frame(src)], outputs=[frame(dst)])
+        assert isinstance(forward._local.repeats[0].run, FrameRun)
+        logged = [r.getMessage() for r in caplog.records if "copied in" in r.getMessage()]
+        assert logged == [f"method forward: copied in 0 B, out 0 B; in place in {src.nbytes} B, out {dst.nbytes} B"] * 3
+        stats = forward.last_copy_stats
+        assert (stats.copied, stats.in_place_in, stats.in_place_out) == (0, src.nbytes, dst.nbytes)
+        stats.in_place_in = 1  # the caller's copy: the runs record one CopyStats, the same each time
+        assert forward.last_copy_stats.in_place_in == src.nbytes
 
 
 def test_a_prepared_call_on_plain_arrays_copies_their_content_at_each_run(scale_bias):

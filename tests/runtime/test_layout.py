@@ -4,14 +4,44 @@
 import numpy as np
 import pytest
 
-from onecopy.runtime._layout import same_layout, same_shapes
+from onecopy.runtime._layout import repeat_kept, same_shapes
 
 
-def test_the_same_memory_with_the_same_layout_matches_through_new_views():
+class Plan:
+    """A kept plan as `repeat_kept` reads it: snapshots of the arrays it was made on (inputs, then outputs)."""
+
+    def __init__(self, *arrays):
+        self.snapshots = tuple(a.view() for a in arrays)
+        self.runs = 0
+
+    def run(self):
+        self.runs += 1
+
+
+class Kept:
+    """A method's per-thread state: `repeats`, newest first."""
+
+    def __init__(self, *plans):
+        self.repeats = plans
+
+
+def test_a_call_laid_out_as_a_kept_plan_runs_it_and_returns_its_own_outputs():
     memory = np.zeros((4, 8), np.float16)
-    planned = (memory.view(), memory[1:].view())
-    assert same_layout((memory, memory[1:]), planned, 1)
-    assert same_layout((memory.reshape(4, 8), memory[1:][:]), planned, 1)
+    plan = Plan(memory, memory[1:])
+    out = memory[1:][:]  # a new view of the planned output
+    result = repeat_kept(Kept(plan), [memory.reshape(4, 8)], (out,))
+    assert plan.runs == 1 and type(result) is list and len(result) == 1 and result[0] is out
+
+
+def test_the_first_matching_plan_runs_and_no_match_says_none():
+    a, b = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32)
+    first, second, third = Plan(a, b), Plan(b, a), Plan(b, a)
+    kept = Kept(first, second, third)
+    assert repeat_kept(kept, [b], [a]) == [a]
+    assert (first.runs, second.runs, third.runs) == (0, 1, 0)
+    assert repeat_kept(kept, [a], [a]) is None
+    assert repeat_kept(Kept(), [a], [b]) is None
+    assert repeat_kept(object(), [a], [b]) is None  # nothing kept on this thread yet
 
 
 @pytest.mark.parametrize(
@@ -28,19 +58,36 @@ def test_the_same_memory_with_the_same_layout_matches_through_new_views():
     ],
 )
 def test_any_difference_that_a_first_call_would_check_does_not_match(change):
-    memory = np.zeros((4, 8), np.float16)
-    assert not same_layout((change(memory),), (memory.view(),), 1)
+    memory, out = np.zeros((4, 8), np.float16), np.zeros((4, 8), np.float16)
+    plan = Plan(memory, out)
+    assert repeat_kept(Kept(plan), [change(memory)], [out]) is None
+    assert repeat_kept(Kept(plan), [memory], [change(out)]) is None
+    assert plan.runs == 0
 
 
 def test_outputs_must_still_be_writable_and_counts_must_agree():
-    memory = np.zeros((4, 8), np.float16)
-    frozen = memory.view()
-    frozen.flags.writeable = False
-    assert same_layout((frozen,), (memory.view(),), 1)  # an input may be read-only
-    assert not same_layout((frozen,), (memory.view(),), 0)  # an output may not
-    assert not same_layout((memory, memory), (memory.view(),), 1)
+    memory, out = np.zeros((4, 8), np.float16), np.zeros((4, 8), np.float16)
+    plan = Plan(memory, out)
+    frozen_in, frozen_out = memory.view(), out.view()
+    frozen_in.flags.writeable = frozen_out.flags.writeable = False
+    assert repeat_kept(Kept(plan), [frozen_in], [out]) == [out]  # an input may be read-only
+    assert repeat_kept(Kept(plan), [memory], [frozen_out]) is None  # an output may not
+    assert repeat_kept(Kept(plan), [memory, memory], [out]) is None
+    assert repeat_kept(Kept(plan), [memory], []) is None
+    assert repeat_kept(Kept(plan), iter([memory]), [out]) is None  # lists and tuples only
     with pytest.raises(TypeError):
-        same_layout([memory], (memory.view(),), 1)
+        repeat_kept(Kept(plan), [memory])
+
+
+def test_a_failing_run_raises_through():
+    memory, out = np.zeros(4), np.zeros(4)
+
+    class Failing(Plan):
+        def run(self):
+            raise ValueError("engine failed")
+
+    with pytest.raises(ValueError, match="engine failed"):
+        repeat_kept(Kept(Failing(memory, out)), [memory], [out])
 
 
 def template(shape, dtype):

@@ -10,19 +10,25 @@ ONNX Runtime's IOBinding does: what is left per run is the surface locks and the
 pays no Python per argument. That matters more than its microseconds suggest: a run that streams a 1080p frame
 through the caches leaves the interpreter's own code and data cold, and every Python step after it costs 3-4x
 what it costs in a tight loop (measured: 11 us of Python outside the engine cost ~40 us per 0.55 ms frame).
+So a plan whose every argument is a bound surface (a frame step) runs in C: `frame_run` makes that run
+(`_frame_run.FrameRun`), which also does the method's own bookkeeping, and a prepared call's `run` is it.
 
 Not for concurrent use: a plan owns its staging buffers and its argument list. Plan one per thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from logging import DEBUG
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onecopy.delegate._frame_run import FrameRun
 from onecopy.errors import ExecutionError
+from onecopy.runtime.backend import RunReport
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.surface.lock import give_all, take_all, wake_waiting
 
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
     from onecopy.delegate.engine import EngineFunction
 
 __all__ = ["Invocation", "call_copied"]
+
+log = logging.getLogger("onecopy")
 
 
 def data_pointer(array: np.ndarray) -> int:
@@ -148,6 +156,33 @@ class Invocation:
         self.only_surfaces = not self._copied and not self._staged and self._in_place
 
 
+    def frame_run(self, report: RunReport) -> Callable[[], list[np.ndarray]] | None:
+        """This plan's run in C (`_frame_run.FrameRun`), reporting each run as `report` says, when the plan is a
+        frame step: every argument a bound surface read or written in place, each one's lock taken by the run
+        (so a closed one shows when taking it fails). None otherwise: `run` is the way then."""
+        if not self.only_surfaces or self._checks_first:
+            return None
+        function = self._function
+        model = function.model
+        return FrameRun(
+            is_closed=report.closed.is_set, on_closed=report.on_closed, debug_enabled=log.isEnabledFor,
+            debug_level=DEBUG, record=report.record, local=report.local, stats=self._constant,
+            outputs=tuple(self._outputs), pool=model._pool, new_context=model._new_context,
+            vm_function=self._vm_function, arguments=self._args, result_list=self._rt.VmVariantList,
+            result_count=self._result_count, engine_error=function.engine_error, cores=self._lock_cores,
+            modes=self._lock_modes, wait_locks=self._take_rest, wake=self._wake,
+        )
+
+    def _take_rest(self, taken: int) -> int:
+        """The locks `take_all` did not take, from `taken` on: says which surface is closed, or waits for the
+        others (see `_take_waiting`)."""
+        for binding, what in self._open_checks:
+            binding.check_open(what)
+        return self._take_waiting(taken)
+
+    def _wake(self, taken: int) -> None:
+        wake_waiting(self._locks[:taken])
+
     def _take_waiting(self, taken: int) -> int:
         """The locks `take_all` could not take at once, from `taken` on, waiting as long as it takes (a surface
         held by another process or thread, or closed: that raises). Returns how many are held, all of them;
@@ -191,16 +226,14 @@ class Invocation:
             if cores:
                 taken = take_all(cores, self._lock_modes, get_ident())
                 if taken < len(cores):
-                    for binding, what in self._open_checks:  # a closed surface: say which
-                        binding.check_open(what)
-                    taken = self._take_waiting(taken)
+                    taken = self._take_rest(taken)
             context.invoke(self._vm_function, args, results)
         except RuntimeError as e:
             raise function.engine_error(e) from e
         finally:
             model.checkin(context)
             if taken and give_all(cores, self._lock_modes, taken):
-                wake_waiting(self._locks[:taken])
+                self._wake(taken)
 
         outputs = self._outputs
         if self._in_place:

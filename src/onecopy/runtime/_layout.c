@@ -1,8 +1,8 @@
-/* Whether a call's arrays are laid out as a kept plan's were, in C.
+/* Whether a call's arrays are laid out as a kept plan's were, or shaped as a checked call's, in C.
  *
- * `Method.execute` reruns a kept plan when a thread calls again on the same bound surfaces, and skips the checks
- * of a first call when its inputs have the shapes and dtypes of a call that passed them (method.py). Deciding
- * that is the first thing to run after the previous call, when the interpreter's and numpy's code and data are
+ * `Method.execute` reruns a kept plan when a thread calls again on the same bound surfaces (`repeat_kept` finds
+ * and runs it), and skips the checks of a first call when its inputs have the shapes and dtypes of a call that
+ * passed them (`same_shapes`; method.py). Deciding that is the first thing to run after the previous call, when the interpreter's and numpy's code and data are
  * out of the caches: reading shape, strides, dtype and flags through numpy's Python getters cost 25-30 us a 1080p
  * frame there. Here it reads the array structs directly: a few cache lines per array.
  */
@@ -15,29 +15,87 @@
 
 #include <string.h>
 
-/* same_layout(args, planned, writable_from) -> bool: each of `args` is a numpy array (exactly) at the same
- * address, with the same shape, strides and dtype as the array at the same place in `planned` (snapshots the
- * caller cannot reshape: views made when the plan was), and those from `writable_from` on are writable. */
-static PyObject *same_layout(PyObject *module, PyObject *args) {
-    PyObject *given, *planned;
-    Py_ssize_t writable_from;
-    if (!PyArg_ParseTuple(args, "O!O!n", &PyTuple_Type, &given, &PyTuple_Type, &planned, &writable_from)) return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(planned);
-    if (PyTuple_GET_SIZE(given) != n) Py_RETURN_FALSE;
+/* Whether `given` (n arrays) are laid out as `planned` (n snapshots) from `offset` on: each a numpy array
+ * (exactly) at the same address, with the same shape, strides and dtype, and writable when `writable`. */
+static int laid_out_as(PyObject *const *given, Py_ssize_t n, PyObject *planned, Py_ssize_t offset, int writable) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *a = PyTuple_GET_ITEM(given, i), *p = PyTuple_GET_ITEM(planned, i);
-        if (!PyArray_CheckExact(a) || !PyArray_CheckExact(p)) Py_RETURN_FALSE;
+        PyObject *a = given[i], *p = PyTuple_GET_ITEM(planned, offset + i);
+        if (!PyArray_CheckExact(a) || !PyArray_CheckExact(p)) return 0;
         PyArrayObject *x = (PyArrayObject *)a, *y = (PyArrayObject *)p;
         int nd = PyArray_NDIM(x);
-        if (PyArray_DATA(x) != PyArray_DATA(y) || nd != PyArray_NDIM(y)) Py_RETURN_FALSE;
+        if (PyArray_DATA(x) != PyArray_DATA(y) || nd != PyArray_NDIM(y)) return 0;
         if (nd > 0 && (memcmp(PyArray_DIMS(x), PyArray_DIMS(y), nd * sizeof(npy_intp)) != 0 ||
                        memcmp(PyArray_STRIDES(x), PyArray_STRIDES(y), nd * sizeof(npy_intp)) != 0))
-            Py_RETURN_FALSE;
+            return 0;
         if (PyArray_DESCR(x) != PyArray_DESCR(y) && !PyArray_EquivTypes(PyArray_DESCR(x), PyArray_DESCR(y)))
-            Py_RETURN_FALSE;
-        if (i >= writable_from && !PyArray_ISWRITEABLE(x)) Py_RETURN_FALSE;
+            return 0;
+        if (writable && !PyArray_ISWRITEABLE(x)) return 0;
     }
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+/* The items of a list or tuple (exactly), borrowed; NULL for anything else. */
+static PyObject *const *items_of(PyObject *sequence, Py_ssize_t *n) {
+    if (PyList_CheckExact(sequence)) {
+        *n = PyList_GET_SIZE(sequence);
+        return ((PyListObject *)sequence)->ob_item;
+    }
+    if (PyTuple_CheckExact(sequence)) {
+        *n = PyTuple_GET_SIZE(sequence);
+        return ((PyTupleObject *)sequence)->ob_item;
+    }
+    return NULL;
+}
+
+static PyObject *str_repeats, *str_snapshots, *str_run;
+
+/* repeat_kept(local, inputs, outputs) -> list | None: `Method.execute`'s first step for a call with output
+ * storage. Among the plans this thread keeps (`local.repeats`, newest first), the first whose snapshots `inputs`
+ * and `outputs` (lists or tuples) are laid out as (outputs writable) is run (`plan.run()`), and the caller's
+ * `outputs` come back as a new list; None when no plan matches (the call goes the checked way). */
+static PyObject *repeat_kept(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "repeat_kept(local, inputs, outputs) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *kept;
+    kept = PyObject_GetAttr(args[0], str_repeats);
+    if (kept == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear(); /* this thread keeps no plan yet */
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n_in = 0, n_out = 0, n_kept = 0;
+    PyObject *const *inputs = items_of(args[1], &n_in), *const *outputs = items_of(args[2], &n_out);
+    PyObject *const *plans = items_of(kept, &n_kept);
+    PyObject *result = Py_None;
+    Py_INCREF(result);
+    if (inputs == NULL || outputs == NULL || plans == NULL) goto done;
+    for (Py_ssize_t k = 0; k < n_kept; k++) {
+        PyObject *snapshots = PyObject_GetAttr(plans[k], str_snapshots);
+        if (snapshots == NULL) {
+            Py_SETREF(result, NULL);
+            goto done;
+        }
+        int match = PyTuple_Check(snapshots) && PyTuple_GET_SIZE(snapshots) == n_in + n_out &&
+                    laid_out_as(inputs, n_in, snapshots, 0, 0) && laid_out_as(outputs, n_out, snapshots, n_in, 1);
+        Py_DECREF(snapshots);
+        if (!match) continue;
+        PyObject *plan = plans[k];
+        Py_INCREF(plan); /* the run may replace `local.repeats` */
+        PyObject *ran = PyObject_CallMethodNoArgs(plan, str_run);
+        Py_DECREF(plan);
+        if (ran == NULL) {
+            Py_SETREF(result, NULL);
+            goto done;
+        }
+        Py_DECREF(ran);
+        Py_SETREF(result, PySequence_List(args[2])); /* the caller's own arrays: maybe new views of the storage */
+        goto done;
+    }
+done:
+    Py_DECREF(kept);
+    return result;
 }
 
 /* same_shapes(args, templates) -> bool: `args` (a list or tuple) holds exactly as many numpy arrays (exactly) as
@@ -72,9 +130,8 @@ static PyObject *same_shapes(PyObject *module, PyObject *args) {
 }
 
 static PyMethodDef module_methods[] = {
-    {"same_layout", same_layout, METH_VARARGS,
-     "same_layout(args, planned, writable_from) -> bool: same address, shape, strides and dtype as `planned`, "
-     "each a numpy array, those from `writable_from` on writable."},
+    {"repeat_kept", (PyCFunction)(void (*)(void))repeat_kept, METH_FASTCALL,
+     "repeat_kept(local, inputs, outputs) -> list | None: run the kept plan this call repeats, if any."},
     {"same_shapes", same_shapes, METH_VARARGS,
      "same_shapes(args, templates) -> bool: `args` (list or tuple) are numpy arrays with the shapes and dtypes of "
      "`templates`, one each."},
@@ -91,5 +148,9 @@ static struct PyModuleDef layout_module = {
 
 PyMODINIT_FUNC PyInit__layout(void) {
     import_array();
+    str_repeats = PyUnicode_InternFromString("repeats");
+    str_snapshots = PyUnicode_InternFromString("snapshots");
+    str_run = PyUnicode_InternFromString("run");
+    if (str_repeats == NULL || str_snapshots == NULL || str_run == NULL) return NULL;
     return PyModule_Create(&layout_module);
 }

@@ -17,7 +17,7 @@ import abc
 import importlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -27,9 +27,21 @@ from onecopy.runtime.copy_stats import CopyStats
 if TYPE_CHECKING:
     from onecopy.runtime.init_context import InitContext
 
-__all__ = ["Backend", "DelegateHandle", "OptionValue", "get_backend", "register_backend", "backend_names"]
+__all__ = ["Backend", "DelegateHandle", "OptionValue", "RunReport", "get_backend", "register_backend",
+           "backend_names"]
 
 OptionValue = bool | int | str
+
+
+class RunReport(NamedTuple):
+    """What a run of a method that is one delegate call does besides the call, for a plan that runs it whole
+    (`frame_run` of a prepared plan): refuse to run once `closed` is set (`on_closed()` raises the error), then
+    keep the run's `CopyStats` as `local.stats` and, when the "onecopy" logger logs DEBUG, `record(stats, True)`."""
+
+    closed: threading.Event
+    on_closed: Callable[[], None]
+    local: threading.local
+    record: Callable[[CopyStats, bool], None]
 
 
 class DelegateHandle(abc.ABC):
@@ -50,7 +62,10 @@ class DelegateHandle(abc.ABC):
     ) -> Callable[[CopyStats], list[np.ndarray]]:
         """A call on these very arrays, planned once and run many times (`Method.prepare`): a callable taking
         the `CopyStats` to add to. When it has an attribute `only_surfaces` that is true, it references nothing
-        but bound surfaces, so `Method.execute` may keep it for the calls that repeat it. A backend that plans
+        but bound surfaces, so `Method.execute` may keep it for the calls that repeat it. It may also have a
+        method `frame_run(report: RunReport)` returning a callable with no arguments (or None) that runs the plan
+        for a method that is this one call, with the method's own bookkeeping (`RunReport`) done too, and
+        returns the outputs: a backend can run a frame loop's whole step natively that way. A backend that plans
         nothing ahead gets this default: each run is an `execute`."""
         return lambda stats: self.execute(inputs, outputs, stats)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from logging import DEBUG
 import threading
@@ -12,10 +13,10 @@ import numpy as np
 
 from onecopy.errors import ExecutionError, InvalidArgument
 from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData, ValueArg
-from onecopy.runtime.backend import DelegateHandle
+from onecopy.runtime.backend import DelegateHandle, RunReport
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel
-from onecopy.runtime._layout import same_layout, same_shapes
+from onecopy.runtime._layout import repeat_kept, same_shapes
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
 
 __all__ = ["CheckedCall", "Method", "PreparedCall", "as_array"]
@@ -28,6 +29,14 @@ REPEATS_KEPT = 4
 # Input signatures (shapes, dtypes) a method keeps for `execute` calls on the copy path: a model called at one or
 # two batch sizes, or a few sequence lengths, skips the first call's checks for each.
 CHECKED_KEPT = 4
+_NO_STATS = CopyStats()
+
+
+class _PerThread(threading.local):
+    """What a method keeps per calling thread; the class attributes are every thread's start."""
+
+    stats: CopyStats = _NO_STATS  # the last call's (last_copy_stats)
+    repeats: tuple[PreparedCall, ...] = ()  # plans kept for the calls that repeat them, newest first
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -85,7 +94,7 @@ class Method:
             c.id: np.frombuffer(named_data[c.key], dtype=c.spec.dtype).reshape([int(d) for d in c.spec.shape])
             for c in definition.constants
         }
-        self._local = threading.local()  # last_copy_stats, per calling thread
+        self._local = _PerThread()
         # The method's one instruction when it is a delegate call (prepared calls plan it); `_whole_call` when that
         # call produces exactly the method's outputs (the common case): execute and prepared calls hand its results
         # back as they come, with nothing to gather afterwards.
@@ -119,7 +128,8 @@ class Method:
     @property
     def last_copy_stats(self) -> CopyStats:
         """Bytes the last `execute` in this thread copied in/out, and used in place through bound surfaces."""
-        return getattr(self._local, "stats", CopyStats())
+        # A copy: a plan's runs record one CopyStats object, the same each run (nothing they move varies).
+        return dataclasses.replace(self._local.stats)
 
     def bind_surface(self, surface: Any) -> None:
         """Bind a `Surface` to this method's model instance: when an input's or output's data pointer is the
@@ -152,24 +162,20 @@ class Method:
                     if produced is not None:
                         return produced
                     break
-        repeats = getattr(self._local, "repeats", None)
-        if repeats and outputs is not None:
+        else:
             # A kept plan that this call repeats: every array at the address, and with the shape, strides and
             # dtype, it had when the plan was made, and the outputs still writable (what could fail the checks of
-            # a first call). Compared in C (`_layout.c`): this runs first after the previous call, cache-cold,
-            # where numpy's getters cost tens of microseconds; and inline, as one Python frame costs a few more.
-            args = (*inputs, *outputs)
-            writable_from = len(inputs)
-            for call in repeats:
-                if same_layout(args, call.snapshots, writable_from):
-                    call.run()
-                    return list(outputs)  # the caller's own arrays: maybe new views of the planned storage
+            # a first call). Found and run in C (`_layout.c`): this runs first after the previous call, cache-cold,
+            # where numpy's getters cost tens of microseconds and each Python step a few.
+            produced = repeat_kept(self._local, inputs, outputs)
+            if produced is not None:
+                return produced
         values, storage = self._arguments(inputs, outputs)
         whole = self._whole_call
         if whole is not None and outputs is not None and self._delegates[whole.delegate].has_bound_surfaces:
             call = PreparedCall(self, values, storage, outputs, given=(inputs, outputs))
             if call.reusable:
-                self._local.repeats = [call, *(repeats or ())][:REPEATS_KEPT]
+                self._local.repeats = (call, *self._local.repeats)[:REPEATS_KEPT]
             return call.run()
         stats = CopyStats()
         if whole is not None:
@@ -379,6 +385,13 @@ class PreparedCall:
                 # The delegate fills the caller's storage itself (in place or by its own copy out), which is
                 # exactly what `_results` would return: the run skips it and returns this list.
                 self._direct = [storage[v] for v in single.outputs]
+                # A plan the delegate runs whole, natively, with this method's bookkeeping (a frame step on bound
+                # surfaces): `run` is that, with no Python frame of ours per run.
+                frame_run = getattr(self._planned, "frame_run", None)
+                fast = frame_run(RunReport(method._closed, method._check_open, method._local,
+                                           method._record_stats)) if frame_run is not None else None
+                if fast is not None:
+                    self.run = fast  # type: ignore[method-assign]
         # `execute` keeps a plan for the calls that repeat it when it holds nothing but views of bound surfaces
         # (a plain array of the caller's would be kept alive by it) and every argument was a numpy array. The
         # snapshots are views of those arrays as they are now, which the caller cannot reshape: a later call

@@ -25,6 +25,8 @@
 #include <string.h>
 #include <sys/file.h>
 
+#include "_lockcore.h"
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the surface header is little-endian; onecopy runs on little-endian CPUs (x86_64, aarch64)"
 #endif
@@ -172,52 +174,58 @@ static PyTypeObject LockCoreType = {
     .tp_members = LockCore_members,
 };
 
-/* take_all(cores, modes, thread) -> int: take each lock in order, stopping at the first that would wait;
- * returns how many were taken. */
-static PyObject *take_all(PyObject *module, PyObject *args) {
-    PyObject *cores, *modes;
-    unsigned long thread;
-    if (!PyArg_ParseTuple(args, "O!O!k", &PyTuple_Type, &cores, &PyTuple_Type, &modes, &thread)) return NULL;
+/* Take each lock in order for `thread`, stopping at the first that would wait: how many were taken, or -1 with an
+ * error set and none held (those taken before the failing one are given back). */
+static Py_ssize_t take_locks(PyObject *cores, PyObject *modes, unsigned long thread) {
     Py_ssize_t n = PyTuple_GET_SIZE(cores);
     if (PyTuple_GET_SIZE(modes) != n) {
         PyErr_SetString(PyExc_ValueError, "take_all: one mode per lock");
-        return NULL;
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* checked before any lock is taken */
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(cores, i), &LockCoreType)) {
+            PyErr_SetString(PyExc_TypeError, "take_all: cores must be LockCore objects");
+            return -1;
+        }
+        if (!PyBool_Check(PyTuple_GET_ITEM(modes, i))) {
+            PyErr_SetString(PyExc_TypeError, "take_all: modes must be bools (True: read lock)");
+            return -1;
+        }
     }
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
-        PyObject *core = PyTuple_GET_ITEM(cores, i);
-        if (!PyObject_TypeCheck(core, &LockCoreType)) {
-            PyErr_SetString(PyExc_TypeError, "take_all: cores must be LockCore objects");
-            return NULL;
+        int taken = try_acquire((LockCore *)PyTuple_GET_ITEM(cores, i), PyTuple_GET_ITEM(modes, i) == Py_True, thread);
+        if (taken < 0) { /* a flock failed (not "would block"): give back the ones before, keep its error */
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            for (Py_ssize_t j = i - 1; j >= 0; j--) {
+                if (release((LockCore *)PyTuple_GET_ITEM(cores, j), PyTuple_GET_ITEM(modes, j) == Py_True) < 0)
+                    PyErr_Clear();
+            }
+            PyErr_Restore(type, value, traceback);
+            return -1;
         }
-        int readonly = PyObject_IsTrue(PyTuple_GET_ITEM(modes, i));
-        if (readonly < 0) return NULL;
-        int taken = try_acquire((LockCore *)core, readonly, thread);
-        if (taken < 0) return NULL;
         if (!taken) break;
     }
-    return PyLong_FromSsize_t(i);
+    return i;
 }
 
-/* give_all(cores, modes, count) -> bool: give back the first `count` locks, last first; true when threads wait
- * for any of them. Every lock is given back even when one fails; the first error is raised after. */
-static PyObject *give_all(PyObject *module, PyObject *args) {
-    PyObject *cores, *modes;
-    Py_ssize_t count;
-    if (!PyArg_ParseTuple(args, "O!O!n", &PyTuple_Type, &cores, &PyTuple_Type, &modes, &count)) return NULL;
+/* Give back the first `count` locks, last first: 1 when threads wait for any of them, 0 when none do, -1 with an
+ * error set. Every lock is given back even when one fails; the first error is the one set. */
+static int give_locks(PyObject *cores, PyObject *modes, Py_ssize_t count) {
     if (count < 0 || count > PyTuple_GET_SIZE(cores) || PyTuple_GET_SIZE(modes) != PyTuple_GET_SIZE(cores)) {
         PyErr_SetString(PyExc_ValueError, "give_all: count out of range, or not one mode per lock");
-        return NULL;
+        return -1;
     }
     /* Checked before any lock is given back, so an error here leaves every lock as it was. */
     for (Py_ssize_t i = 0; i < count; i++) {
         if (!PyObject_TypeCheck(PyTuple_GET_ITEM(cores, i), &LockCoreType)) {
             PyErr_SetString(PyExc_TypeError, "give_all: cores must be LockCore objects");
-            return NULL;
+            return -1;
         }
         if (!PyBool_Check(PyTuple_GET_ITEM(modes, i))) {
             PyErr_SetString(PyExc_TypeError, "give_all: modes must be bools (True: read lock)");
-            return NULL;
+            return -1;
         }
     }
     int waiting = 0;
@@ -232,10 +240,31 @@ static PyObject *give_all(PyObject *module, PyObject *args) {
     }
     if (type != NULL) {
         PyErr_Restore(type, value, traceback);
-        return NULL;
+        return -1;
     }
-    return PyBool_FromLong(waiting);
+    return waiting;
 }
+
+/* take_all(cores, modes, thread) -> int: take_locks for Python. */
+static PyObject *take_all(PyObject *module, PyObject *args) {
+    PyObject *cores, *modes;
+    unsigned long thread;
+    if (!PyArg_ParseTuple(args, "O!O!k", &PyTuple_Type, &cores, &PyTuple_Type, &modes, &thread)) return NULL;
+    Py_ssize_t taken = take_locks(cores, modes, thread);
+    return taken < 0 ? NULL : PyLong_FromSsize_t(taken);
+}
+
+/* give_all(cores, modes, count) -> bool: give_locks for Python. */
+static PyObject *give_all(PyObject *module, PyObject *args) {
+    PyObject *cores, *modes;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "O!O!n", &PyTuple_Type, &cores, &PyTuple_Type, &modes, &count)) return NULL;
+    int waiting = give_locks(cores, modes, count);
+    return waiting < 0 ? NULL : PyBool_FromLong(waiting);
+}
+
+/* For other C modules (the delegate's frame run): the same two functions, without Python's argument passing. */
+static LockCoreAPI lockcore_api = {take_locks, give_locks};
 
 static PyMethodDef module_methods[] = {
     {"take_all", take_all, METH_VARARGS,
@@ -260,6 +289,12 @@ PyMODINIT_FUNC PyInit__lockcore(void) {
     Py_INCREF(&LockCoreType);
     if (PyModule_AddObject(module, "LockCore", (PyObject *)&LockCoreType) < 0) {
         Py_DECREF(&LockCoreType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New(&lockcore_api, LOCKCORE_API_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(module, "_C_API", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(module);
         return NULL;
     }
