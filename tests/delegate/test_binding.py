@@ -361,7 +361,7 @@ def test_frame_steps_run_natively_and_still_report_and_log_what_they_moved(scale
             call.run()
             for _ in range(2):  # planned (Python), then the kept plan's FrameRun
                 forward.execute([frame(src)], outputs=[frame(dst)])
-        assert isinstance(forward._local.repeats[0].run, FrameRun)
+        assert isinstance(forward._local.repeats[0][1], FrameRun)  # (snapshots, run) of the kept plan
         logged = [r.getMessage() for r in caplog.records if "copied in" in r.getMessage()]
         assert logged == [f"method forward: copied in 0 B, out 0 B; in place in {src.nbytes} B, out {dst.nbytes} B"] * 3
         stats = forward.last_copy_stats

@@ -19,10 +19,10 @@ class Plan:
 
 
 class Kept:
-    """A method's per-thread state: `repeats`, newest first."""
+    """A method's per-thread state: `repeats`, (snapshots, run) of each plan, newest first."""
 
     def __init__(self, *plans):
-        self.repeats = plans
+        self.repeats = tuple((plan.snapshots, plan.run) for plan in plans)
 
 
 def test_a_call_laid_out_as_a_kept_plan_runs_it_and_returns_its_own_outputs():
@@ -40,8 +40,13 @@ def test_the_first_matching_plan_runs_and_no_match_says_none():
     assert repeat_kept(kept, [b], [a]) == [a]
     assert (first.runs, second.runs, third.runs) == (0, 1, 0)
     assert repeat_kept(kept, [a], [a]) is None
-    assert repeat_kept(Kept(), [a], [b]) is None
-    assert repeat_kept(object(), [a], [b]) is None  # nothing kept on this thread yet
+    assert repeat_kept(Kept(), [a], [b]) is None  # nothing kept on this thread yet
+    with pytest.raises(AttributeError):
+        repeat_kept(object(), [a], [b])
+    broken = Kept()
+    broken.repeats = (first,)
+    with pytest.raises(TypeError, match="pairs"):
+        repeat_kept(broken, [a], [b])
 
 
 @pytest.mark.parametrize(

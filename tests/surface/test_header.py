@@ -24,7 +24,9 @@ def corrupt(path: str, offset: int, fmt: str, value) -> None:
     ("offset", "fmt", "value", "message"),
     [
         (0, "8s", b"GARBAGE!", r"is not a onecopy surface \(magic b'GARBAGE!', expected b'ONECSURF'\)"),
-        (8, "<I", 2, r"has header version 2; this onecopy reads version 1\. Upgrade onecopy\."),
+        (8, "<I", 3, r"has header version 3; this onecopy reads version 2\. Upgrade onecopy\."),
+        (8, "<I", 1, r"has header version 1; this onecopy reads version 2\. It was made by an older onecopy whose "
+                     r"lock this one does not share; recreate it with this onecopy\."),
         (12, "<I", 7, r"has unknown format code 7; expected one of 1 \(float16\), 2 \(float32\), 3 \(uint8\)"),
         (16, "<Q", 0, r"has an invalid size 0x360 in its header"),
         (16, "<Q", 5, r"header describes 3840 bytes of data at offset 4096, but the file holds only 7168 bytes"),
@@ -32,7 +34,7 @@ def corrupt(path: str, offset: int, fmt: str, value) -> None:
         (32, "<Q", 700, r"has 700 bytes per row, which does not hold 360 float16 values"),
         (40, "<Q", 100, r"has data offset 100, not a multiple of 4096 past the header"),
     ],
-    ids=["magic", "version", "format", "zero-height", "too-tall", "too-wide", "short-rows", "data-offset"],
+    ids=["magic", "newer-version", "older-version", "format", "zero-height", "too-tall", "too-wide", "short-rows", "data-offset"],
 )
 def test_open_rejects_a_corrupted_header(surfaces, name, offset, fmt, value, message):
     surface = surfaces(4, 360, name=name)

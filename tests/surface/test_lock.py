@@ -109,6 +109,51 @@ def test_two_surfaces_of_one_name_in_one_process_exclude_each_other(surfaces, na
         pass
 
 
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_process_that_dies_holding_the_lock_is_reaped_by_the_next_one_waiting(surfaces, name, mode):
+    """Its slot still says it holds the lock; its byte lock on the slot went with it, so a waiter clears it."""
+    surface = surfaces(2, 8, name=name)
+    with Holder(name, mode) as holder:
+        with pytest.raises(OnecopyError, match="could not take the write lock"):
+            with surface.lock(timeout=0.05):
+                pass
+        holder.kill()
+        with surface.lock(timeout=30):  # the first attempt fails, the reap clears the dead slot, the next succeeds
+            pass
+    assert surface.generation == 1  # ours: a writer that died never gave its lock back
+
+
+def test_each_surface_object_claims_a_slot_and_a_closed_ones_slot_is_claimed_again(surfaces, name):
+    surface = surfaces(2, 8, name=name)
+    first = Surface.open(name)
+    second = Surface.open(name)
+    slots = {surface._lock.core.slot, first._lock.core.slot, second._lock.core.slot}
+    assert slots == {0, 1, 2}
+    freed = first._lock.core.slot
+    first.close()
+    with Surface.open(name) as again:
+        assert again._lock.core.slot == freed
+    second.close()
+
+
+def test_a_surface_used_by_more_objects_than_its_slots_refuses_the_next_open(surfaces, name):
+    from onecopy.surface.header import SLOT_COUNT
+
+    surface = surfaces(2, 8, name=name)
+    opened = [Surface.open(name) for _ in range(SLOT_COUNT - 1)]
+    try:
+        with pytest.raises(OnecopyError, match=f"in use by {SLOT_COUNT} surface objects at once"):
+            Surface.open(name)
+        opened.pop().close()
+        with Surface.open(name):  # a slot was given back
+            pass
+    finally:
+        for other in opened:
+            other.close()
+    with surface.lock(blocking=False):
+        pass
+
+
 def test_a_write_lock_cannot_be_nested_in_one_thread(surfaces):
     surface = surfaces(2, 8)
     for outer in (False, True):
@@ -255,7 +300,9 @@ def test_bad_arguments_to_the_native_calls_raise(surfaces):
     with pytest.raises(TypeError, match="modes must be bools"):
         give_all(_cores(surface), (1,), 1)
     with pytest.raises(ValueError, match="does not fit"):
-        LockCore(0, bytearray(16), 12)
+        LockCore(0, bytearray(16), 12, 0, 0, 1)
+    with pytest.raises(ValueError, match="does not fit"):
+        LockCore(0, bytearray(64), 8, 16, 32, 8)  # 8 slots of 8 bytes from byte 32 overrun the map
 
 
 def test_a_closed_lock_lets_go_of_the_map(tmp_path):
@@ -265,7 +312,7 @@ def test_a_closed_lock_lets_go_of_the_map(tmp_path):
     path.write_bytes(bytes(64))
     with open(path, "r+b") as f:
         surface_map = mmap.mmap(f.fileno(), 64)
-        core = LockCore(f.fileno(), surface_map, 8)
+        core = LockCore(f.fileno(), surface_map, 8, 16, 32, 4)
         with pytest.raises(BufferError):
             surface_map.close()  # the core holds the counter's bytes
         assert core.try_acquire(False, 1) and not core.release(False)

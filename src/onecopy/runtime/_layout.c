@@ -47,44 +47,41 @@ static PyObject *const *items_of(PyObject *sequence, Py_ssize_t *n) {
     return NULL;
 }
 
-static PyObject *str_repeats, *str_snapshots, *str_run;
+static PyObject *str_repeats;
 
 /* repeat_kept(local, inputs, outputs) -> list | None: `Method.execute`'s first step for a call with output
- * storage. Among the plans this thread keeps (`local.repeats`, newest first), the first whose snapshots `inputs`
- * and `outputs` (lists or tuples) are laid out as (outputs writable) is run (`plan.run()`), and the caller's
- * `outputs` come back as a new list; None when no plan matches (the call goes the checked way). */
+ * storage. Among the plans this thread keeps (`local.repeats`: (snapshots, run) pairs, newest first), the first
+ * whose snapshots `inputs` and `outputs` (lists or tuples) are laid out as (outputs writable) is run (`run()`),
+ * and the caller's `outputs` come back as a new list; None when no plan matches (the call goes the checked way).
+ * The pairs are plain tuples so that finding a plan reads no attribute but `repeats`. */
 static PyObject *repeat_kept(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "repeat_kept(local, inputs, outputs) takes 3 arguments");
         return NULL;
     }
-    PyObject *kept;
-    kept = PyObject_GetAttr(args[0], str_repeats);
-    if (kept == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-        PyErr_Clear(); /* this thread keeps no plan yet */
-        Py_RETURN_NONE;
-    }
+    PyObject *kept = PyObject_GetAttr(args[0], str_repeats);
+    if (kept == NULL) return NULL;
     Py_ssize_t n_in = 0, n_out = 0, n_kept = 0;
     PyObject *const *inputs = items_of(args[1], &n_in), *const *outputs = items_of(args[2], &n_out);
-    PyObject *const *plans = items_of(kept, &n_kept);
+    PyObject *const *plans = PyTuple_CheckExact(kept) ? items_of(kept, &n_kept) : NULL;
     PyObject *result = Py_None;
     Py_INCREF(result);
     if (inputs == NULL || outputs == NULL || plans == NULL) goto done;
     for (Py_ssize_t k = 0; k < n_kept; k++) {
-        PyObject *snapshots = PyObject_GetAttr(plans[k], str_snapshots);
-        if (snapshots == NULL) {
+        PyObject *plan = plans[k];
+        if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 2) {
             Py_SETREF(result, NULL);
+            PyErr_SetString(PyExc_TypeError, "repeat_kept: local.repeats holds (snapshots, run) pairs");
             goto done;
         }
-        int match = PyTuple_Check(snapshots) && PyTuple_GET_SIZE(snapshots) == n_in + n_out &&
-                    laid_out_as(inputs, n_in, snapshots, 0, 0) && laid_out_as(outputs, n_out, snapshots, n_in, 1);
-        Py_DECREF(snapshots);
-        if (!match) continue;
-        PyObject *plan = plans[k];
-        Py_INCREF(plan); /* the run may replace `local.repeats` */
-        PyObject *ran = PyObject_CallMethodNoArgs(plan, str_run);
-        Py_DECREF(plan);
+        PyObject *snapshots = PyTuple_GET_ITEM(plan, 0);
+        if (!PyTuple_CheckExact(snapshots) || PyTuple_GET_SIZE(snapshots) != n_in + n_out ||
+            !laid_out_as(inputs, n_in, snapshots, 0, 0) || !laid_out_as(outputs, n_out, snapshots, n_in, 1))
+            continue;
+        PyObject *run = PyTuple_GET_ITEM(plan, 1);
+        Py_INCREF(run); /* the run may replace `local.repeats` */
+        PyObject *ran = PyObject_CallNoArgs(run);
+        Py_DECREF(run);
         if (ran == NULL) {
             Py_SETREF(result, NULL);
             goto done;
@@ -149,8 +146,6 @@ static struct PyModuleDef layout_module = {
 PyMODINIT_FUNC PyInit__layout(void) {
     import_array();
     str_repeats = PyUnicode_InternFromString("repeats");
-    str_snapshots = PyUnicode_InternFromString("snapshots");
-    str_run = PyUnicode_InternFromString("run");
-    if (str_repeats == NULL || str_snapshots == NULL || str_run == NULL) return NULL;
+    if (str_repeats == NULL) return NULL;
     return PyModule_Create(&layout_module);
 }

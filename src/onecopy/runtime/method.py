@@ -36,7 +36,8 @@ class _PerThread(threading.local):
     """What a method keeps per calling thread; the class attributes are every thread's start."""
 
     stats: CopyStats = _NO_STATS  # the last call's (last_copy_stats)
-    repeats: tuple[PreparedCall, ...] = ()  # plans kept for the calls that repeat them, newest first
+    # Plans kept for the calls that repeat them, newest first, as (snapshots, run) of each PreparedCall.
+    repeats: tuple[tuple[tuple[np.ndarray, ...], Any], ...] = ()
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -175,7 +176,7 @@ class Method:
         if whole is not None and outputs is not None and self._delegates[whole.delegate].has_bound_surfaces:
             call = PreparedCall(self, values, storage, outputs, given=(inputs, outputs))
             if call.reusable:
-                self._local.repeats = (call, *self._local.repeats)[:REPEATS_KEPT]
+                self._local.repeats = ((call.snapshots, call.run), *self._local.repeats)[:REPEATS_KEPT]
             return call.run()
         stats = CopyStats()
         if whole is not None:

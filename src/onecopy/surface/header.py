@@ -1,8 +1,10 @@
 """The surface header: the format every process agrees on, and the checks of what a creator or opener is given.
 
 A surface file starts with a 64-byte header (little-endian: magic, header version, format code, height, width,
-bytes_per_row, data offset, generation, flags); its data starts on the next page. `open` validates a header
-(`check_header`) before it hands out any memory, so a foreign, truncated or newer file is refused with a reason.
+bytes_per_row, data offset, generation, flags); then, at byte 128, the lock's words: how many lock slots were ever
+claimed, and from byte 192 the slots, one 8-byte word per LockCore that uses the surface (`_lockcore.c`). Its data
+starts on the next page. `open` validates a header (`check_header`) before it hands out any memory, so a foreign,
+truncated or other-version file is refused with a reason.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from onecopy.errors import InvalidArgument
 
 __all__ = [
     "SHM_DIR", "PREFIX", "ROW_ALIGNMENT", "DATA_OFFSET", "HEADER_VERSION", "FORMATS", "CODES", "MAGIC", "HEADER",
-    "U64", "GENERATION_AT", "FLAGS_AT", "FLAG_UNLINKED", "check_dimension", "check_dtype", "check_name",
+    "U64", "GENERATION_AT", "FLAGS_AT", "FLAG_UNLINKED", "SLOTS_USED_AT", "SLOTS_AT", "SLOT_COUNT", "check_dimension", "check_dtype", "check_name",
     "row_bytes", "check_header",
 ]
 
@@ -25,7 +27,8 @@ SHM_DIR = "/dev/shm"
 PREFIX = "onecopy-"
 ROW_ALIGNMENT = 64  # bytes; every row starts on a cache line
 DATA_OFFSET = 4096  # the data starts on its own page, so base_address is page-aligned
-HEADER_VERSION = 1
+# 2: the lock is the header's slots (1 took a flock on the file: the two would not exclude each other).
+HEADER_VERSION = 2
 # Format codes stored in the header; never renumber them, other processes read them.
 FORMATS = {1: np.dtype(np.float16), 2: np.dtype(np.float32), 3: np.dtype(np.uint8)}
 CODES = {dtype: code for code, dtype in FORMATS.items()}
@@ -36,6 +39,9 @@ HEADER = struct.Struct("<8sIIQQQQQQ")
 U64 = struct.Struct("<Q")
 GENERATION_AT = 48
 FLAGS_AT = 56
+SLOTS_USED_AT = 128
+SLOTS_AT = 192
+SLOT_COUNT = 64  # LockCores (processes, or one process opening it twice) using one surface at once
 FLAG_UNLINKED = 1
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_DIMENSION = 2**31 - 1
@@ -80,9 +86,11 @@ def check_header(header: tuple, size: int, where: str) -> None:
     fix = "unlink it or pick another name"
     if magic != MAGIC:
         raise InvalidArgument(f"{where} is not a onecopy surface (magic {magic!r}, expected {MAGIC!r}); {fix}.")
-    if version > HEADER_VERSION or version == 0:
+    if version != HEADER_VERSION:
+        fix_version = "Upgrade onecopy" if version > HEADER_VERSION else (
+            "It was made by an older onecopy whose lock this one does not share; recreate it with this onecopy")
         raise InvalidArgument(
-            f"{where} has header version {version}; this onecopy reads version {HEADER_VERSION}. Upgrade onecopy."
+            f"{where} has header version {version}; this onecopy reads version {HEADER_VERSION}. {fix_version}."
         )
     if code not in FORMATS:
         known = ", ".join(f"{c} ({d})" for c, d in FORMATS.items())

@@ -1,10 +1,11 @@
 """The lock of one surface: readers share it, a writer holds it alone, across threads and processes.
 
-Across processes it is a `flock` on the surface's descriptor (a process that dies drops its locks). Threads of
-one process share that descriptor's open file description, where a second flock would silently convert or drop
-the first; so the process-level lock is taken once, and the in-process state says which threads hold it.
+Across processes it is a slot per process in the surface's shared header, read and written with atomics: no
+system call when nobody else holds the lock. A process that dies holding it is found out by whoever waits for it
+(`LockCore.reap`: the dead owner's byte lock on its slot is gone) and its slot is cleared. Within a process the
+slot is taken once, and the in-process state says which threads hold the lock.
 
-That state and the flocks live in a small C type (`_lockcore.c`): the engine locks bound surfaces around every
+That state and the slots live in a small C type (`_lockcore.c`): the engine locks bound surfaces around every
 call, right after a call that streamed a frame through the caches, and in Python that bookkeeping cost 25-30 us
 a 1080p frame. `take_all`/`give_all` take and give back all of one engine call's locks in one C call each;
 `acquire`/`release` are the pair for everything else, and `Surface.lock()` wraps them in a context manager that
@@ -21,6 +22,7 @@ from threading import get_ident
 
 from onecopy.errors import InvalidArgument, OnecopyError
 from onecopy.surface._lockcore import LockCore, give_all, take_all
+from onecopy.surface.header import SLOT_COUNT, SLOTS_AT, SLOTS_USED_AT
 
 __all__ = ["SurfaceLock", "closed_error", "take_all", "give_all", "wake_waiting"]
 
@@ -34,8 +36,9 @@ def closed_error(name: str, what: str) -> InvalidArgument:
 
 
 class SurfaceLock:
-    """Reader/writer lock over the surface file `fd`. A writer's release moves the generation counter at byte
-    `generation_at` of `surface_map` on, under the exclusive flock (so no other process bumps it at once).
+    """Reader/writer lock of the surface mapped as `surface_map` (file `fd`). A writer's release moves the
+    generation counter at byte `generation_at` on while it still holds the lock (so no other process bumps it at
+    once).
 
     It holds no reference to its `Surface` (a cycle would keep a dropped surface, and its descriptor, alive
     until the garbage collector runs): the surface calls `mark_closed()` under `cond`, which wakes waiters with
@@ -43,7 +46,13 @@ class SurfaceLock:
 
     def __init__(self, fd: int, name: str, surface_map: mmap.mmap, generation_at: int) -> None:
         self._name = name
-        self.core = LockCore(fd, surface_map, generation_at)
+        try:
+            self.core = LockCore(fd, surface_map, generation_at, SLOTS_USED_AT, SLOTS_AT, SLOT_COUNT)
+        except BlockingIOError as e:
+            raise OnecopyError(
+                f"Surface '{name}' is in use by {SLOT_COUNT} surface objects at once (processes, or the same surface "
+                "opened several times), the most its lock can serve; close it where it is no longer needed."
+            ) from e
         # Waiters of the slow path sleep on it (a release wakes them); the surface also guards its own state with
         # it (closed, views handed out).
         self.cond = threading.Condition()
@@ -98,10 +107,9 @@ class SurfaceLock:
             poll = 0.0001
             while True:
                 self._check_open()
-                if core.try_acquire(readonly, thread):
-                    return
-                # Poll rather than block in flock(): a blocked flock could not honour a timeout, and would keep
-                # this condition held so other threads could neither time out nor close.
+                if core.try_acquire(readonly, thread) or (core.reap() and core.try_acquire(readonly, thread)):
+                    return  # (reap: a process that held the lock and died no longer blocks it)
+                # Poll: a timeout and close() must be honoured, and another process cannot signal this one.
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     mode = "read" if readonly else "write"

@@ -174,16 +174,18 @@ class Surface:
                     f"{where} holds {st.st_size} bytes, too few for a surface header; unlink it or pick another name."
                 )
             surface_map = mmap.mmap(fd, st.st_size)
-            try:
-                header = HEADER.unpack_from(surface_map, 0)
-                check_header(header, st.st_size, where)
-            except BaseException:
-                surface_map.close()
-                raise
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, surface_map, _name=name, _created=created is not None, _header=header)
+        try:
+            header = HEADER.unpack_from(surface_map, 0)
+            check_header(header, st.st_size, where)
+            return cls(fd, surface_map, _name=name, _created=created is not None, _header=header)
+        except BaseException:
+            with contextlib.suppress(BufferError):  # a view made before the failure keeps it mapped
+                surface_map.close()
+            os.close(fd)
+            raise
 
     @property
     def name(self) -> str:
