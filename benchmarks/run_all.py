@@ -1,6 +1,7 @@
 """Run every benchmark, each in a fresh process, then print every target and whether it was met.
 
-    python benchmarks/run_all.py [--quick] [--only latency,load,size,memory,frames] [--wait-quiet SECONDS]
+    python benchmarks/run_all.py [--quick] [--only latency,load,size,memory,frames,frame_overhead]
+                                 [--wait-quiet SECONDS]
 
 Each benchmark writes benchmarks/results/<name>.json (with --quick: <name>.quick.json, not kept in git).
 Exits non-zero only when a benchmark fails to run, never because a target was missed.
@@ -15,7 +16,7 @@ import time
 
 import common
 
-BENCHMARKS = ("latency", "load", "size", "memory", "frames")
+BENCHMARKS = ("latency", "load", "size", "memory", "frames", "frame_overhead")
 
 
 def main() -> int:
