@@ -123,6 +123,50 @@ def test_a_process_that_dies_holding_the_lock_is_reaped_by_the_next_one_waiting(
     assert surface.generation == 1  # ours: a writer that died never gave its lock back
 
 
+def test_writers_in_three_processes_and_a_reader_never_overlap(surfaces, name):
+    """Mutual exclusion under a real race: two children and this process each add 1 to a value, N times, under
+    the write lock (read, then write back: a lost update shows in the total); a reader thread checks that it
+    never sees a half-done update (the two values written one after the other differ)."""
+    import subprocess
+    import sys
+
+    from tests.surface.conftest import ROOT
+
+    count = 400
+    surface = surfaces(1, 16, "float32", name=name)
+    children = [subprocess.Popen([sys.executable, "-m", "tests.surface.surface_child", "count", name, str(count)],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    torn, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            with surface.lock(readonly=True, timeout=60) as frame:
+                if frame[0, 0] != frame[0, 1]:
+                    torn.append((float(frame[0, 0]), float(frame[0, 1])))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(count):
+            with surface.lock(timeout=60) as frame:
+                value = frame[0, 0]
+                frame[0, 1] = value + 1
+                frame[0, 0] = value + 1
+        for child in children:
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == 0, err
+    finally:
+        stop.set()
+        reader.join()
+        for child in children:
+            child.kill()
+            child.communicate()
+    assert torn == []
+    assert surface.array()[0, 0] == 3 * count
+    assert surface.generation == 3 * count
+
+
 def test_each_surface_object_claims_a_slot_and_a_closed_ones_slot_is_claimed_again(surfaces, name):
     surface = surfaces(2, 8, name=name)
     first = Surface.open(name)
