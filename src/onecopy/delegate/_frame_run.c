@@ -5,8 +5,9 @@
  * context and locks back and records what the call moved. Written in Python, as invocation.py and method.py
  * have it, those steps ran after a call that streamed a frame through the caches, where each Python frame and
  * attribute lookup misses them: measured after a cache flush, the Python run added ~70 us to the raw engine
- * call on a small frame model, the same steps in one Python closure ~43, and this ~25, of which ~20 are the
- * locks (their flock system calls most of it).
+ * call on a small frame model, the same steps in one Python closure ~43, and this ~25, of which ~20 were the
+ * locks, most of it their flock system calls; with the locks in shared memory (_lockcore.c) this is ~17-19
+ * (benchmarks/frame_overhead.py).
  *
  * A FrameRun holds nothing but what the Python objects would: the engine's argument list, the lock cores and
  * modes, the context pool, the method's closed flag, stats and thread-local record. Every rare or slow case

@@ -57,8 +57,8 @@ class SurfaceLock:
         # it (closed, views handed out).
         self.cond = threading.Condition()
         # Read locks taken through `acquire`, per thread: a thread that reads may not also ask for the write lock
-        # (on one descriptor that flock would convert the shared lock). The engine's own read locks are not
-        # counted here: no thread can ask for another lock while it is inside an engine call.
+        # (it would wait for itself: the write lock waits until no thread of this process reads). The engine's own
+        # read locks are not counted here: no thread can ask for another lock while it is inside an engine call.
         self._reader_threads: dict[int, int] = {}
 
     @property
@@ -97,7 +97,7 @@ class SurfaceLock:
         core = self.core
         with self.cond:
             self._check_open()
-            # flock on one descriptor would silently convert or drop a lock this thread already holds: refuse.
+            # A thread asking for the write lock while it holds the lock would wait for itself for ever: refuse.
             if core.writer == thread or (not readonly and thread in self._reader_threads):
                 raise InvalidArgument(
                     f"Surface '{self._name}': this thread already holds a lock on it; a write lock cannot be nested. "
