@@ -123,12 +123,17 @@ static void LockCore_dealloc(LockCore *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* How many slots to read: those ever claimed (the word is another process's to grow, so it is bounded here). */
+static Py_ssize_t slots_in_use(LockCore *self) {
+    Py_ssize_t used = (Py_ssize_t)LOAD(self->slots_used);
+    return used < self->slot_count ? used : self->slot_count;
+}
+
 /* Set this process's slot to `state` if no other slot conflicts: a reader with a writer, a writer with anyone.
  * 1: set; 0: a conflict (the slot is left free). */
 static int take_slot(LockCore *self, uint64_t state) {
     STORE(&self->slots[self->slot], state);
-    Py_ssize_t used = (Py_ssize_t)LOAD(self->slots_used);
-    if (used > self->slot_count) used = self->slot_count;
+    Py_ssize_t used = slots_in_use(self);
     for (Py_ssize_t i = 0; i < used; i++) {
         if (i == self->slot) continue;
         uint64_t other = LOAD(&self->slots[i]);
@@ -186,8 +191,7 @@ static PyObject *LockCore_try_acquire(LockCore *self, PyObject *args) {
  * lock is free, so this one can take it); how many were cleared. System calls, so for the slow path only. */
 static PyObject *LockCore_reap(LockCore *self, PyObject *Py_UNUSED(ignored)) {
     if (self->slots == NULL) return PyLong_FromLong(0);
-    Py_ssize_t used = (Py_ssize_t)LOAD(self->slots_used), cleared = 0;
-    if (used > self->slot_count) used = self->slot_count;
+    Py_ssize_t used = slots_in_use(self), cleared = 0;
     for (Py_ssize_t i = 0; i < used; i++) {
         if (i == self->slot || LOAD(&self->slots[i]) == SLOT_FREE) continue;
         if (slot_byte_lock(self, i, F_WRLCK) == 0) { /* nobody owns it: the state is stale */
@@ -255,6 +259,22 @@ static PyTypeObject LockCoreType = {
     .tp_members = LockCore_members,
 };
 
+/* Whether the first `count` of `cores` are LockCores and their `modes` bools (True: a read lock); checked before
+ * any lock is taken or given back, so an error leaves every lock as it was. 0, or -1 with an error naming `who`. */
+static int check_locks(PyObject *cores, PyObject *modes, Py_ssize_t count, const char *who) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(cores, i), &LockCoreType)) {
+            PyErr_Format(PyExc_TypeError, "%s: cores must be LockCore objects", who);
+            return -1;
+        }
+        if (!PyBool_Check(PyTuple_GET_ITEM(modes, i))) {
+            PyErr_Format(PyExc_TypeError, "%s: modes must be bools (True: read lock)", who);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Take each lock in order for `thread`, stopping at the first that would wait: how many were taken, or -1 with an
  * error set (bad arguments; none taken). */
 static Py_ssize_t take_locks(PyObject *cores, PyObject *modes, unsigned long thread) {
@@ -263,16 +283,7 @@ static Py_ssize_t take_locks(PyObject *cores, PyObject *modes, unsigned long thr
         PyErr_SetString(PyExc_ValueError, "take_all: one mode per lock");
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* checked before any lock is taken */
-        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(cores, i), &LockCoreType)) {
-            PyErr_SetString(PyExc_TypeError, "take_all: cores must be LockCore objects");
-            return -1;
-        }
-        if (!PyBool_Check(PyTuple_GET_ITEM(modes, i))) {
-            PyErr_SetString(PyExc_TypeError, "take_all: modes must be bools (True: read lock)");
-            return -1;
-        }
-    }
+    if (check_locks(cores, modes, n, "take_all") < 0) return -1;
     Py_ssize_t i;
     for (i = 0; i < n; i++) {
         if (!try_acquire((LockCore *)PyTuple_GET_ITEM(cores, i), PyTuple_GET_ITEM(modes, i) == Py_True, thread)) break;
@@ -287,17 +298,7 @@ static int give_locks(PyObject *cores, PyObject *modes, Py_ssize_t count) {
         PyErr_SetString(PyExc_ValueError, "give_all: count out of range, or not one mode per lock");
         return -1;
     }
-    /* Checked before any lock is given back, so an error here leaves every lock as it was. */
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (!PyObject_TypeCheck(PyTuple_GET_ITEM(cores, i), &LockCoreType)) {
-            PyErr_SetString(PyExc_TypeError, "give_all: cores must be LockCore objects");
-            return -1;
-        }
-        if (!PyBool_Check(PyTuple_GET_ITEM(modes, i))) {
-            PyErr_SetString(PyExc_TypeError, "give_all: modes must be bools (True: read lock)");
-            return -1;
-        }
-    }
+    if (check_locks(cores, modes, count, "give_all") < 0) return -1;
     int waiting = 0;
     PyObject *type = NULL, *value = NULL, *traceback = NULL;
     for (Py_ssize_t i = count - 1; i >= 0; i--) {
