@@ -33,6 +33,12 @@ def test_a_call_laid_out_as_a_kept_plan_runs_it_and_returns_its_own_outputs():
     assert plan.runs == 1 and type(result) is list and len(result) == 1 and result[0] is out
 
 
+def test_empty_input_or_output_lists_match_a_plan_made_on_none():
+    out = np.zeros(4, np.float32)
+    plan = Plan(out)  # a method with no inputs
+    assert repeat_kept(Kept(plan), [], [out]) == [out] and plan.runs == 1
+
+
 def test_the_first_matching_plan_runs_and_no_match_says_none():
     a, b = np.zeros((2, 8), np.float32), np.zeros((2, 8), np.float32)
     first, second, third = Plan(a, b), Plan(b, a), Plan(b, a)

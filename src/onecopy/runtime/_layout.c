@@ -2,9 +2,10 @@
  *
  * `Method.execute` reruns a kept plan when a thread calls again on the same bound surfaces (`repeat_kept` finds
  * and runs it), and skips the checks of a first call when its inputs have the shapes and dtypes of a call that
- * passed them (`same_shapes`; method.py). Deciding that is the first thing to run after the previous call, when the interpreter's and numpy's code and data are
- * out of the caches: reading shape, strides, dtype and flags through numpy's Python getters cost 25-30 us a 1080p
- * frame there. Here it reads the array structs directly: a few cache lines per array.
+ * passed them (`same_shapes`; method.py). Deciding that is the first thing to run after the previous call, when
+ * the interpreter's and numpy's code and data are out of the caches: reading shape, strides, dtype and flags
+ * through numpy's Python getters cost 25-30 us a 1080p frame there. Here it reads the array structs directly: a
+ * few cache lines per array.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,17 +35,20 @@ static int laid_out_as(PyObject *const *given, Py_ssize_t n, PyObject *planned, 
     return 1;
 }
 
-/* The items of a list or tuple (exactly), borrowed; NULL for anything else. */
-static PyObject *const *items_of(PyObject *sequence, Py_ssize_t *n) {
+/* The items of a list or tuple (exactly), borrowed, into `*items` and `*n`: 1; 0 for anything else. (An empty
+ * list's item array is NULL, so the pointer cannot say which.) */
+static int items_of(PyObject *sequence, PyObject *const **items, Py_ssize_t *n) {
     if (PyList_CheckExact(sequence)) {
         *n = PyList_GET_SIZE(sequence);
-        return ((PyListObject *)sequence)->ob_item;
+        *items = ((PyListObject *)sequence)->ob_item;
+        return 1;
     }
     if (PyTuple_CheckExact(sequence)) {
         *n = PyTuple_GET_SIZE(sequence);
-        return ((PyTupleObject *)sequence)->ob_item;
+        *items = ((PyTupleObject *)sequence)->ob_item;
+        return 1;
     }
-    return NULL;
+    return 0;
 }
 
 static PyObject *str_repeats;
@@ -62,11 +66,12 @@ static PyObject *repeat_kept(PyObject *module, PyObject *const *args, Py_ssize_t
     PyObject *kept = PyObject_GetAttr(args[0], str_repeats);
     if (kept == NULL) return NULL;
     Py_ssize_t n_in = 0, n_out = 0, n_kept = 0;
-    PyObject *const *inputs = items_of(args[1], &n_in), *const *outputs = items_of(args[2], &n_out);
-    PyObject *const *plans = PyTuple_CheckExact(kept) ? items_of(kept, &n_kept) : NULL;
+    PyObject *const *inputs = NULL, *const *outputs = NULL, *const *plans = NULL;
     PyObject *result = Py_None;
     Py_INCREF(result);
-    if (inputs == NULL || outputs == NULL || plans == NULL) goto done;
+    if (!items_of(args[1], &inputs, &n_in) || !items_of(args[2], &outputs, &n_out) || !PyTuple_CheckExact(kept) ||
+        !items_of(kept, &plans, &n_kept))
+        goto done;
     for (Py_ssize_t k = 0; k < n_kept; k++) {
         PyObject *plan = plans[k];
         if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 2) {
@@ -101,18 +106,9 @@ done:
 static PyObject *same_shapes(PyObject *module, PyObject *args) {
     PyObject *given, *templates;
     if (!PyArg_ParseTuple(args, "OO!", &given, &PyTuple_Type, &templates)) return NULL;
-    PyObject **items;
-    Py_ssize_t n;
-    if (PyList_CheckExact(given)) {
-        items = ((PyListObject *)given)->ob_item;
-        n = PyList_GET_SIZE(given);
-    } else if (PyTuple_CheckExact(given)) {
-        items = ((PyTupleObject *)given)->ob_item;
-        n = PyTuple_GET_SIZE(given);
-    } else {
-        Py_RETURN_FALSE;
-    }
-    if (n != PyTuple_GET_SIZE(templates)) Py_RETURN_FALSE;
+    Py_ssize_t n = 0;
+    PyObject *const *items = NULL;
+    if (!items_of(given, &items, &n) || n != PyTuple_GET_SIZE(templates)) Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *a = items[i], *t = PyTuple_GET_ITEM(templates, i);
         if (!PyArray_CheckExact(a) || !PyArray_CheckExact(t)) Py_RETURN_FALSE;
