@@ -177,6 +177,21 @@ def test_closed_program_refuses_to_run(small_program_path):
     gc.collect()
 
 
+def test_a_method_keeps_its_program_alive(small_program_path, small_model, rng):
+    """`load_program(p).load_method(m)` leaves no reference to the program but the method's: the program must not
+    close itself when collected while a method of it can still run."""
+    method = Runtime().load_program(small_program_path).load_method("forward")
+    gc.collect()
+    x = rng.standard_normal((1, 64), dtype=np.float32)
+    for _ in range(2):  # the first call is checked, the second takes the short way
+        (y,) = method.execute([x])
+        np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+    prepared = method.prepare([x])
+    del method
+    gc.collect()
+    np.testing.assert_allclose(prepared.run()[0], eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+
+
 def test_program_from_bytes(small_program, small_model, rng):
     x = rng.standard_normal((16, 64), dtype=np.float32)
     with Runtime().load_program(small_program.to_bytes()) as program:

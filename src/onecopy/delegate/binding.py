@@ -1,9 +1,12 @@
 """Surfaces bound to a delegate: the engine reads and writes them in place, and every copy is counted.
 
 A binding matches by address: when an input's or output's data pointer equals a bound surface's base address,
-the engine gets a buffer imported from the surface's memory (`import_host_allocation`), so no byte is copied
-in or out. A surface whose rows are padded cannot be handed over as is (IREE buffer views are dense): it is
-copied through its row stride, and the copy is counted like any other.
+the argument belongs to the surface (it is locked around the call, and a closed surface fails the call). The
+engine reads or writes it in place, through a buffer imported from the surface's memory
+(`import_host_allocation`), only when the argument is the surface's bytes in the engine's layout: C-contiguous and
+covering the whole surface (`in_place`). Anything else at that address (a transposed view, a slice, a padded
+surface: IREE buffer views are dense) is copied through its strides, and the copy is counted like any other; the
+address alone never decides, or a transposed view would be read as if it were not.
 
 Thread-safety: a `SurfaceBinding` may be used by concurrent calls; its one cached buffer view is replaced under
 a lock when the argument's shape changes.
@@ -46,6 +49,7 @@ class SurfaceBinding:
         self.surface = surface
         self.where = where
         self.dense = surface.dense
+        self.nbytes = surface.height * surface.width * surface.dtype.itemsize
         # Hold a view: it keeps the mapping alive for the engine even if the surface is closed meanwhile.
         self._array = surface.array(include_padding=True) if self.dense else surface.array()
         self.handed_to_engine = [self._array]  # imported by IREE; held past the delegate's end (quarantine.py)
@@ -59,6 +63,13 @@ class SurfaceBinding:
                 f"{self.where}: {what} is bound surface '{self.surface.name}', which was closed; unbind it or "
                 "open and bind it again."
             )
+
+    def in_place(self, array: np.ndarray) -> bool:
+        """Whether the engine may take `array` (at this surface's base address) as the surface's memory itself: its
+        elements in C order, densely, over exactly the surface's bytes. Strides are compared, not only the address:
+        `surface.array().T` starts at the same byte but reads the elements in another order."""
+        return (self.dense and array.flags.c_contiguous and array.nbytes == self.nbytes
+                and array.dtype == self.surface.dtype)
 
     def buffer_view(self, device: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> Any:
         """The engine's view of this surface as an argument of `shape`/`dtype`, made once per shape."""

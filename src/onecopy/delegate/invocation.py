@@ -105,7 +105,7 @@ class Invocation:
             what = f"input {i}"
             if binding is not None:
                 self._open_checks.append((binding, what))
-            if binding is not None and binding.dense:
+            if binding is not None and binding.in_place(array):
                 self._slots.append(binding.buffer_view(device, array.shape, array.dtype, what))
                 in_place_in += array.nbytes
                 locks.setdefault(binding.surface.name, (binding.surface, True))
@@ -126,7 +126,7 @@ class Invocation:
                 what = f"output {i}"
                 if binding is not None:
                     self._open_checks.append((binding, what))
-                if binding is not None and binding.dense:
+                if binding is not None and binding.in_place(out):  # type: ignore[arg-type]
                     self._slots.append(binding.buffer_view(device, out.shape, out.dtype, what))  # type: ignore[union-attr]
                     in_place_out += out.nbytes  # type: ignore[union-attr]
                     locks[binding.surface.name] = (binding.surface, False)

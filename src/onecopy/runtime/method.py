@@ -86,7 +86,11 @@ class Method:
     """An entry point of a loaded program. `execute` may be called from several threads."""
 
     def __init__(self, definition: MethodDef, meta: MethodMeta, delegates: dict[int, DelegateHandle],
-                 named_data: NamedData, program_closed: threading.Event):
+                 named_data: NamedData, program_closed: threading.Event, *, owner: Any = None):
+        # The program this method came from, held so that it lives as long as its methods: a program closes itself
+        # when collected, and `load_program(p).load_method("forward")` leaves no other reference to it. An
+        # explicit `close()` still ends every method (`program_closed`).
+        self._owner = owner
         self._definition = definition
         self._meta = meta
         self._delegates = delegates

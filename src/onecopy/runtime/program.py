@@ -96,7 +96,7 @@ class Program:
                     _method_meta=lambda: meta,
                 )
                 handles[ins.delegate] = backend.init(context, delegate.manifest)
-            method = Method(definition, meta, handles, self._file.named_data, self._closed)
+            method = Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
         except BaseException:
             for handle in handles.values():
                 handle.destroy()
