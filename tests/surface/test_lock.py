@@ -333,6 +333,35 @@ def test_releasing_a_lock_not_held_is_an_error_not_a_corrupted_count(surfaces):
         pass
 
 
+def test_a_thread_cannot_release_a_write_lock_another_thread_holds(surfaces):
+    surface = surfaces(2, 8)
+    with pytest.raises(InvalidArgument, match="holds no write lock on it to release \\(nobody in this process holds it\\)"):
+        surface.release()
+    taken, done = threading.Event(), threading.Event()
+
+    def writer():
+        surface.acquire()
+        taken.set()
+        done.wait(30)
+        surface.release()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert taken.wait(30)
+        with pytest.raises(InvalidArgument, match="holds no write lock on it to release \\(another thread holds it\\)"):
+            surface.release()
+        assert surface._lock.core.writer == thread.ident  # still the writer's
+        with pytest.raises(OnecopyError, match="is locked by another process or thread"):
+            surface.acquire(readonly=True, timeout=0)
+    finally:
+        done.set()
+        thread.join(30)
+    assert surface.generation == 1  # the writer's own release, once
+    with surface.lock(blocking=False):
+        pass
+
+
 def test_bad_arguments_to_the_native_calls_raise(surfaces):
     surface = surfaces(2, 8)
     with pytest.raises(TypeError):

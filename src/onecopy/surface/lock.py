@@ -126,7 +126,9 @@ class SurfaceLock:
                 poll = min(poll * 2, _POLL_MAX_S)
 
     def release(self, readonly: bool = False, *, track: bool = True) -> None:
-        """Give back the lock the calling thread took with `acquire(readonly, track=track)`."""
+        """Give back the lock the calling thread took with `acquire(readonly, track=track)`. Releasing a lock this
+        thread does not hold is an error: it would release another thread's (the slot and the counters are the
+        process's), and that thread would then write while a reader or a second writer gets in."""
         if readonly and track:
             thread = get_ident()
             threads = self._reader_threads
@@ -137,6 +139,12 @@ class SurfaceLock:
                 threads[thread] = held
             else:
                 del threads[thread]
+        elif not readonly and self.core.writer != get_ident():
+            holder = "another thread holds it" if self.core.writer else "nobody in this process holds it"
+            raise InvalidArgument(
+                f"Surface '{self._name}': this thread holds no write lock on it to release ({holder}); release only "
+                "a lock the same thread acquired, or use `with surface.lock():`."
+            )
         if self.core.release(readonly):
             self.wake_waiters()
 
