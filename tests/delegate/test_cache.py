@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def test_weights_that_passed_a_full_check_are_not_rehashed_until_something_write
 def test_process_killed_mid_specialization_leaves_no_entry(mf_program, tmp_path, point, states):
     marker = tmp_path / "marker"
     cache_dir = tmp_path / "cache"
+    started = time.time() - 1
     proc = child(mf_program, cache_dir, "--hang-at", point, "--marker", str(marker), wait=False)
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -181,11 +183,16 @@ def test_process_killed_mid_specialization_leaves_no_entry(mf_program, tmp_path,
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     assert list((cache_dir / "v1" / "entries").iterdir()) == []
-    leftovers = list((cache_dir / "v1" / "tmp").iterdir())
-    assert len(leftovers) == (1 if point == "publish" else 0)
+    # What the killed process was writing is in the cache's tmp/ (the compiler's encoder output, or the entry
+    # being published), nowhere else, and named for the process.
+    leftovers = [p.name for p in (cache_dir / "v1" / "tmp").iterdir()]
+    kind = "entry" if point == "publish" else "specialize"
+    assert len(leftovers) == 1 and leftovers[0].startswith(f"{kind}-{proc.pid}-"), leftovers
+    assert not [p for p in Path(tempfile.gettempdir()).glob("onecopy-encoder-*") if p.stat().st_mtime >= started]
     load_all(mf_program, cache_dir)[0].close()  # the lock died with the process: no wait, no error
     assert states() == ["specialized", "restored"]
     assert len(open_cache(cache_dir).ls()) == 1
+    assert list((cache_dir / "v1" / "tmp").iterdir()) == []  # swept: its process is gone
 
 
 def test_racing_processes_on_a_cold_key_compile_once(mf_program, tmp_path):
@@ -229,6 +236,20 @@ def test_old_tmp_leftovers_are_swept(tmp_path):
     os.utime(stale, (old, old))
     cache._sweep_tmp()
     assert not stale.exists() and fresh.exists()
+
+
+def test_leftovers_of_a_dead_process_are_swept_at_once_and_a_live_ones_kept(tmp_path):
+    cache = open_cache(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    dead = cache.tmp / f"specialize-{dead_pid}-abc"
+    live = cache.tmp / f"specialize-{os.getppid()}-abc"  # a process that runs (this one's parent)
+    mine = cache.tmp / f"entry-{os.getpid()}-abc"
+    for path in (dead, live, mine):
+        path.mkdir()
+        (path / "encoder.mlir").write_bytes(b"x")
+    cache._sweep_tmp()
+    assert not dead.exists() and live.exists() and mine.exists()
 
 
 def test_disabled_cache_specializes_every_time(mf_program, tmp_path, states, monkeypatch):

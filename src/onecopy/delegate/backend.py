@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -247,9 +248,10 @@ class IreeBackend(Backend):
             name: _named(context.named_data, key, f"parameter '{name}'", where)
             for name, key in manifest.parameters.items()
         }
-        # `produce` makes what the cache entry holds: for mlir the module and its packed weights (specialize), for
-        # vmfb the packed weights only (its encoder; the module runs in place from the program file).
-        produce: Callable[[], Specialization] | None
+        # `produce(scratch)` makes what the cache entry holds: for mlir the module and its packed weights
+        # (specialize, writing the compiler's side files under `scratch`), for vmfb the packed weights only (its
+        # encoder; the module runs in place from the program file).
+        produce: Callable[[Path | None], Specialization] | None
         if manifest.packaging == "vmfb":
             code: bytes | memoryview | None = _named(context.named_data, manifest.bundle[target.name], "bundle", where)
             encoder_key = manifest.encoders.get(target.name)
@@ -257,15 +259,15 @@ class IreeBackend(Backend):
                 produce = None
             else:
                 encoder = _named(context.named_data, encoder_key, f"parameter encoder for {target.name}", where)
-                produce = lambda: encode(encoder, parameters, target, where)
+                produce = lambda scratch: encode(encoder, parameters, target, where)
         else:
             code = None  # the specialized module
             source = _named(context.named_data, manifest.bundle["portable"], "bundle", where)
-            produce = lambda: specialize(source, parameters, target, where)
+            produce = lambda scratch: specialize(source, parameters, target, where, scratch)
         state = "restored"
         if produce is not None:
             if resolved.cache is None:
-                result = produce()
+                result = produce(None)
                 module, state = result.module, "specialized"
                 encoded = {name: memoryview(array) for name, array in result.encoded.items()}
             else:

@@ -10,11 +10,13 @@ Layout of a cache directory (format version in the path, so a new format never r
     <dir>/v1/entries/<key>/verified      stat stamp of encoded.bin at its last full check (see Guarantees)
     <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
     <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
-    <dir>/v1/tmp/                        entries being written; published by one rename
+    <dir>/v1/tmp/                        entries being written (published by one rename), and the scratch of a
+                                         specialization (iree-compile's encoder output); each named for its process
 
 Guarantees:
 - An entry appears whole or not at all: written into tmp/ on the same filesystem, fsynced, renamed into place.
-  A process killed at any point leaves at most a tmp/ leftover (swept after a day).
+  A process killed at any point leaves at most a tmp/ leftover, named `<kind>-<pid>-...`: the next process to
+  open the cache removes it once that pid is gone (anything else there after a day).
 - A restored entry is checked against its recorded sizes and checksums (xxh3-128; sha256 of the encoded weights
   would cost a warm load ~80 ms); a bad one is removed, with a warning, and specialized again. The module is
   checksummed on every restore. The encoded weights (as large as the model) are checksummed in full until they
@@ -40,6 +42,7 @@ import logging
 import mmap
 import os
 import shutil
+import re
 import sqlite3
 import tempfile
 import threading
@@ -78,6 +81,29 @@ DEFAULT_MAX_CACHE_BYTES = 4 * 2**30
 ENV_CACHE_DIR = "ONECOPY_CACHE_DIR"
 ENV_DISABLE_CACHE = "ONECOPY_DISABLE_CACHE"
 _TMP_MAX_AGE_S = 24 * 3600
+# What this process writes into tmp/ starts with `<kind>-<pid>-`, so a later process can tell a dead one's.
+_OWNED = re.compile(r"^[a-z]+-(\d+)-")
+
+
+def _owned_prefix(kind: str) -> str:
+    return f"{kind}-{os.getpid()}-"
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether `name` in tmp/ belongs to a process that no longer runs (a process killed mid-specialization)."""
+    found = _OWNED.match(name)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 _MODULE = "module.vmfb"
 _ENCODED = "encoded.bin"
 _META = "entry.json"
@@ -240,6 +266,11 @@ class SpecializationCache:
 
     # -- public ----------------------------------------------------------------------------------------------
 
+    def scratch(self, kind: str) -> "tempfile.TemporaryDirectory[str]":
+        """A directory of this process in tmp/ (a context manager yielding its path), removed on exit, and swept
+        by the next process to open the cache if this one is killed first."""
+        return tempfile.TemporaryDirectory(prefix=_owned_prefix(kind), dir=self.tmp)
+
     def entry_dir(self, key: str) -> Path:
         return self.entries / key
 
@@ -247,7 +278,8 @@ class SpecializationCache:
         self, key: str, specialize: Callable[[], "Specialization"], *, program: str, packaging: str,
         compute_units: str, target: str,
     ) -> tuple[CacheEntry, str]:
-        """Restore `key`, or run `specialize` (once across threads and processes) and publish its result.
+        """Restore `key`, or run `specialize(scratch)` (once across threads and processes; `scratch` is a directory
+        of its own in tmp/, removed after, for what the compiler writes on the way) and publish its result.
 
         Returns the opened entry and "restored" or "specialized".
         """
@@ -261,7 +293,8 @@ class SpecializationCache:
                 entry = self._restore(key)  # another process may have published it while we waited
                 if entry is not None:
                     return entry, "restored"
-                result = specialize()
+                with self.scratch("specialize") as scratch:
+                    result = specialize(scratch)
                 self._publish(key, result, program=program, packaging=packaging, compute_units=compute_units,
                               target=target)
             entry = self._restore(key)
@@ -379,7 +412,7 @@ class SpecializationCache:
         return CacheEntry(key, path / _MODULE, fd, maps, meta.get("encoded", []))  # type: ignore[arg-type]
 
     def _publish(self, key: str, result: "Specialization", **info: str) -> None:
-        staging = Path(tempfile.mkdtemp(prefix=f"{key[:16]}.", dir=self.tmp))
+        staging = Path(tempfile.mkdtemp(prefix=f"{_owned_prefix('entry')}{key[:16]}.", dir=self.tmp))
         try:
             with open(staging / _ENCODED, "w+b") as f:
                 encoded = write_pages(f, result.encoded)  # each distinct page once
@@ -419,7 +452,7 @@ class SpecializationCache:
         if only_if_unused and self._in_use(path):
             return False
         # Rename out of entries/ first so no reader ever sees a half-deleted entry.
-        trash = self.tmp / f"trash-{key[:16]}-{os.getpid()}-{time.monotonic_ns()}"
+        trash = self.tmp / f"{_owned_prefix('trash')}{key[:16]}-{time.monotonic_ns()}"
         try:
             os.rename(path, trash)
         except FileNotFoundError:
@@ -460,7 +493,7 @@ class SpecializationCache:
         cutoff = time.time() - _TMP_MAX_AGE_S
         for path in self.tmp.iterdir():
             try:
-                if path.stat().st_mtime < cutoff:
+                if _owner_gone(path.name) or path.stat().st_mtime < cutoff:
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
             except OSError:
                 pass

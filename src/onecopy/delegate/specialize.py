@@ -82,12 +82,15 @@ def wants_encoder(has_parameters: bool, target: Target) -> bool:
 
 
 def compile_with_encoder(
-    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, with_encoder: bool
+    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, with_encoder: bool,
+    scratch: Path | None = None,
 ) -> Compiled:
     """Compile `source` for `target` with data tiling and, when `with_encoder`, IREE's parameter encoder for the
     same target. If data tiling fell back, or the compiler produced no encoder (nothing to pack), there is none.
-    Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
-    with tempfile.TemporaryDirectory(prefix="onecopy-encoder-") as tmp:
+    The compiler writes the encoder into a directory under `scratch` (the cache's, at load: a process killed here
+    leaves it where the cache sweeps it) or the system's temporary directory. Raises `DelegateError` with the
+    compiler's diagnostics (prefixed by the caller)."""
+    with tempfile.TemporaryDirectory(prefix="onecopy-encoder-", dir=scratch) as tmp:
         encoder_path = Path(tmp) / "encoder.mlir"
         extra = _encoder_flags(encoder_path) if with_encoder else []
         module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra)
@@ -156,7 +159,8 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
     return outputs
 
 
-def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:
+def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str,
+               scratch: Path | None = None) -> Specialization:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
     bundle becomes code.
 
@@ -166,7 +170,7 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     _check_allowed(where)
     try:
         compiled = compile_with_encoder(source, target, for_host=True, where=where,
-                                        with_encoder=wants_encoder(bool(parameters), target))
+                                        with_encoder=wants_encoder(bool(parameters), target), scratch=scratch)
     except DelegateError as e:
         raise DelegateError(f"{where}: {e}") from e
     if compiled.encoder is None:
