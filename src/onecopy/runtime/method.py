@@ -55,6 +55,13 @@ def as_array(value: Any, what: str) -> np.ndarray:
         raise ExecutionError(f"{what} is not an array: {type(value).__name__}.") from e
 
 
+def _check_list(given: Any, what: str, example: str) -> None:
+    """Inputs and outputs come as a list (or tuple) with one entry per tensor; a bare array would be taken apart
+    along its first axis."""
+    if not isinstance(given, Sequence) or isinstance(given, (str, bytes)):
+        raise ExecutionError(f"{what} as a list with one entry per tensor ({example}), got {type(given).__name__}.")
+
+
 def _check_tensor(
     array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str,
     ranges: dict[str, list[int | None]] | None = None,
@@ -234,6 +241,7 @@ class Method:
         """The value table with inputs (checked) and constants in place, and the caller's output storage."""
         self._check_open()
         definition, meta = self._definition, self._meta
+        _check_list(inputs, f"Method '{self.name}' takes its inputs", "execute([x, ...])")
         if len(inputs) != len(meta.inputs):
             raise ExecutionError(f"Method '{self.name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
         values: list[Any] = [None] * definition.num_values
@@ -282,6 +290,8 @@ class Method:
                 raise ExecutionError(self._unplanned(next(i for i, o in enumerate(self._meta.outputs) if not o.memory_planned)))
             return {}
         meta = self._meta
+        _check_list(outputs, f"Method '{self.name}' takes output storage", "outputs=[y, ...], None for any the runtime "
+                    "allocates")
         if len(outputs) != len(meta.outputs):
             raise ExecutionError(
                 f"Method '{self.name}' has {len(meta.outputs)} outputs; outputs= gave {len(outputs)} (use None for "
@@ -294,6 +304,10 @@ class Method:
                     raise ExecutionError(self._unplanned(i))
                 continue
             what = f"Output {i} of method '{self.name}'"
+            if not isinstance(out, np.ndarray) and not hasattr(out, "__dlpack__"):
+                # np.asarray would make a new array: the results would be written there and lost.
+                raise ExecutionError(f"{what} must be an array to write into (numpy, or a DLPack tensor on the "
+                                     f"host), got {type(out).__name__}.")
             array = as_array(out, what)
             if not array.flags.writeable:
                 raise ExecutionError(f"{what} is read-only; pass writable storage.")
