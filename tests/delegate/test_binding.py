@@ -498,3 +498,45 @@ def test_a_call_waits_for_a_bound_surface_another_process_locked_then_runs(scale
         assert forward.last_copy_stats.copied == 0
         np.testing.assert_array_equal(out, np.full(SHAPE, 7, np.float16))
         assert src._lock.held() is None and dst._lock.held() is None
+
+
+
+def _permuted_views(surface):
+    """Every view of a 64 x 32 fp16 surface shaped [1, 4, 16, 32] that starts at its base address and covers all its
+    bytes: the surface's memory read as [1, 4, 16, 32] with the last three axes stored in another order. Only the
+    identity is the surface's own layout."""
+    import itertools
+
+    whole = surface.array()
+    views = []
+    for order in itertools.permutations(range(3)):
+        stored = whole.reshape((1, *(SHAPE[1 + a] for a in order)))
+        view = stored.transpose((0, *(1 + order.index(a) for a in range(3))))
+        assert view.shape == SHAPE and pointer(view) == surface.base_address
+        views.append(view)
+    return views
+
+
+def test_random_views_of_bound_surfaces_give_exact_results_on_every_path(scale_bias, surfaces):
+    """Calls on views of the bound surfaces in every storage order, in random sequence, so that kept plans,
+    prepared calls and first calls all meet views that share an address but not a layout."""
+    rng = np.random.default_rng(7)
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    src.array()[:] = rng.standard_normal((64, 32)).astype(np.float16)
+    ins, outs = _permuted_views(src), _permuted_views(dst)
+    with Runtime().load_program(scale_bias) as program:
+        forward = bound_forward(program, src, dst)
+        prepared = {}
+        for step in range(60):
+            i, o = rng.integers(len(ins)), rng.integers(len(outs))
+            x, out = ins[i], outs[o]
+            dst.array()[:] = np.nan
+            if step % 3 == 2:
+                call = prepared.setdefault((i, o), forward.prepare([x], outputs=[out]))
+                call.run()
+            else:
+                forward.execute([x], outputs=[out])
+            np.testing.assert_array_equal(out, x * 2 + 1, err_msg=f"input view {i}, output view {o}, step {step}")
+            stats = forward.last_copy_stats
+            assert (stats.in_place_in, stats.copied_in) == ((x.nbytes, 0) if i == 0 else (0, x.nbytes))
+            assert (stats.in_place_out, stats.copied_out) == ((out.nbytes, 0) if o == 0 else (0, out.nbytes))
