@@ -81,7 +81,8 @@ class DelegateHandle(abc.ABC):
         return lambda arrays, stats: self.execute(arrays, nothing, stats)
 
     def bind_surface(self, surface: Any) -> None:
-        """Read and write `surface` in place when an argument's data pointer is its base address."""
+        """Read and write `surface` in place when an argument is the surface's memory in its own layout (its base
+        address, C-contiguous, all of it); any other view of it is copied through its strides."""
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) cannot bind surfaces.")
 
     @property

@@ -144,9 +144,10 @@ class Method:
         return dataclasses.replace(self._local.stats)
 
     def bind_surface(self, surface: Any) -> None:
-        """Bind a `Surface` to this method's model instance: when an input's or output's data pointer is the
-        surface's base address, the engine reads or writes it in place. Several methods (and programs) may bind
-        the same surface, e.g. to chain one model's output into another's input."""
+        """Bind a `Surface` to this method's model instance: when an input or output is the surface's memory in
+        its own layout (`surface.array()`, or a C-contiguous reshape of it), the engine reads or writes it in place.
+        Any other view of it (transposed, sliced) is copied through its strides, as a plain array would be. Several
+        methods (and programs) may bind the same surface, e.g. to chain one model's output into another's input."""
         self._check_open()
         if not self._delegates:
             raise InvalidArgument(f"Method '{self.name}' runs no delegate; there is no engine to bind a surface to.")
