@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import sympy
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
@@ -46,12 +48,51 @@ BACKEND = "IreeBackend"
 _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
-def _tensor_spec(node: fx.Node, where: str) -> TensorSpec:
+def _tensor_spec(node: fx.Node, where: str, names: Mapping[str, str] | None = None) -> TensorSpec:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ExportError(f"{where}: '{node.name}' is not a tensor ({type(val).__name__}); only tensors cross a method's boundary.")
-    shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else str(d) for d in val.shape]
+    shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else _rename(str(d), names or {}) for d in val.shape]
     return TensorSpec(shape=shape, dtype=str(val.dtype).removeprefix("torch."))
+
+
+_TORCH_SYMBOL = re.compile(r"\b[su]\d+\b")  # torch's names for sizes: s31 (from inputs), u0 (data-dependent)
+
+
+def _rename(text: str, names: Mapping[str, str]) -> str:
+    """`text` with torch's symbols (s31) replaced by the names the user knows them by (T)."""
+    return _TORCH_SYMBOL.sub(lambda m: names.get(m.group(), m.group()), text) if names else text
+
+
+def _symbol_names(ep: ExportedProgram) -> dict[str, str]:
+    """torch symbol -> the name of the user's `torch.export.Dim` for it (s31 -> T), or `x.shape[1]` for a dynamic
+    dimension the user did not name (Dim.AUTO). torch keeps the Dim names only in the shape environment of the
+    example values (which source, e.g. L['x'].size()[0], got which Dim name): read where present, else the input
+    and axis where the symbol first appears."""
+    names: dict[str, str] = {}
+    user_inputs = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        for axis, d in enumerate(node.meta["val"].shape):
+            expr = getattr(getattr(d, "node", None), "expr", None)
+            if not isinstance(expr, sympy.Symbol) or str(expr) in names:
+                continue
+            names[str(expr)] = _dim_name(d, expr) or f"{node.name}.shape[{axis}]"
+    return names
+
+
+def _dim_name(d: Any, symbol: sympy.Symbol) -> str | None:
+    try:
+        shape_env = d.node.shape_env
+        debug_names = shape_env.source_name_to_debug_name
+        for source in shape_env.var_to_sources.get(symbol, ()):
+            source_name = source.name() if callable(source.name) else source.name
+            if source_name in debug_names:
+                return str(debug_names[source_name])
+    except AttributeError:  # torch internals moved: fall back to the input and axis
+        return None
+    return None
 
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -73,8 +114,10 @@ def _example(node: fx.Node) -> torch.Tensor:
 
 def _dynamic_shapes(nodes: list[fx.Node], ranges: dict[str, tuple[int, int | None]]) -> tuple | None:
     """torch.export dynamic_shapes for re-exporting a partition: one `Dim` per symbol, shared across arguments
-    so the engine function keeps the method's dynamic dimensions. None when every shape is static, and
-    `False` when a dimension is an expression (e.g. 2*s0) a `Dim` cannot name."""
+    so the engine function keeps the method's dynamic dimensions. A dimension that is an expression reaches a
+    partition across a graph break (a host op's result of size 2*T): a linear one becomes a derived Dim (2*T),
+    any other a Dim of its own. Exporting it static instead would make a function that runs only at the example
+    size. None when every shape is static."""
     dims: dict[str, Any] = {}
     specs = []
     for node in nodes:
@@ -82,22 +125,40 @@ def _dynamic_shapes(nodes: list[fx.Node], ranges: dict[str, tuple[int, int | Non
         for axis, d in enumerate(node.meta["val"].shape):
             if isinstance(d, int):
                 continue
-            name = str(d)
-            if name not in ranges:
-                return False  # type: ignore[return-value]
-            if name not in dims:
-                low, high = ranges[name]
-                dims[name] = torch.export.Dim(name, min=max(low, 0), max=high) if high is not None else torch.export.Dim(name, min=max(low, 0))
-            spec[axis] = dims[name]
+            spec[axis] = _dim_for(d.node.expr, dims, ranges)
         specs.append(spec or None)
     return tuple(specs) if dims else None
+
+
+def _dim_for(expr: sympy.Expr, dims: dict[str, Any], ranges: dict[str, tuple[int, int | None]]) -> Any:
+    def root(symbol: sympy.Symbol, min_: int = 0) -> Any:
+        name = str(symbol)
+        if name not in dims:
+            low, high = ranges.get(name, (0, None))
+            low = max(low, min_, 0)
+            dims[name] = torch.export.Dim(name, min=low, max=high) if high is not None else torch.export.Dim(name, min=low)
+        return dims[name]
+
+    if isinstance(expr, sympy.Symbol):
+        return root(expr)
+    free = list(expr.free_symbols)
+    if len(free) == 1:
+        (symbol,) = free
+        a, b = expr.coeff(symbol), expr.subs(symbol, 0)
+        if isinstance(a, sympy.Integer) and isinstance(b, sympy.Integer) and a > 0 and sympy.expand(a * symbol + b - expr) == 0:
+            # torch wants the root's minimum to keep the derived size >= 0
+            return root(symbol, -(int(b) // int(a))) * int(a) + int(b)
+    name = f"d{len(dims)}_" + re.sub(r"\W", "_", str(expr))
+    dims[name] = torch.export.Dim(name, min=0)
+    return dims[name]
 
 
 def _symbol_ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     ranges = {}
     for symbol, vr in ep.range_constraints.items():
+        # torch's unbounded upper end is `int_oo`, which claims `is_finite` and cannot be converted by int().
         upper = vr.upper
-        ranges[str(symbol)] = (int(vr.lower), int(upper) if upper.is_finite else None)
+        ranges[str(symbol)] = (int(vr.lower), int(upper) if isinstance(upper, sympy.Integer) else None)
     return ranges
 
 
@@ -111,7 +172,7 @@ class _DelegatePartition:
     example_args: tuple[torch.Tensor, ...]
     example_results: tuple[torch.Tensor, ...]
     dynamic_args: tuple | None
-    dynamic_results: tuple | None | bool
+    dynamic_results: tuple | None
     outputs_in_place: bool
     input_names: list[str]
     output_names: list[str]
@@ -119,7 +180,7 @@ class _DelegatePartition:
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
                               self.example_results, f"method '{self.method}', partition {self.index}",
-                              self.dynamic_args, self.dynamic_results or None, self.outputs_in_place)
+                              self.dynamic_args, self.dynamic_results, self.outputs_in_place)
 
 
 @dataclass
@@ -129,6 +190,7 @@ class _MethodPlan:
     name: str
     table: ParameterTable
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # torch symbol -> the user's name for it
     memory_planned_outputs: bool = True
     ids: dict[fx.Node, int] = field(default_factory=dict)
     num_values: int = 0
@@ -149,7 +211,7 @@ class _MethodPlan:
             vid = self.new_id()
             self.ids[node] = vid
             self.constants.append(
-                ConstantDef(id=vid, key=parameter_key(self.table.digests[name]), spec=_tensor_spec(node, self.name))
+                ConstantDef(id=vid, key=parameter_key(self.table.digests[name]), spec=_tensor_spec(node, self.name, self.names))
             )
         return self.ids[node]
 
@@ -210,7 +272,7 @@ def _plan_method(
             "eval mode, or return the new state as an output."
         )
     graph = ep.graph_module.graph
-    plan = _MethodPlan(name, table, _symbol_ranges(ep), memory_planned_outputs)
+    plan = _MethodPlan(name, table, _symbol_ranges(ep), _symbol_names(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -221,7 +283,7 @@ def _plan_method(
                 tensor = ep.constants[spec.target]
             plan.weights[node] = table.add(spec.target, tensor)
         elif spec.kind == InputKind.USER_INPUT:
-            input_specs.append(_tensor_spec(node, f"Method '{name}', input '{node.name}'"))
+            input_specs.append(_tensor_spec(node, f"Method '{name}', input '{node.name}'", plan.names))
             plan.ids[node] = plan.new_id()
             inputs.append(plan.ids[node])
         else:
@@ -244,11 +306,11 @@ def _plan_method(
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
             raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
         outputs.append(plan.value(value))
-        spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'")
+        spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'", plan.names)
         output_specs.append(msgspec.structs.replace(spec_, memory_planned=memory_planned_outputs))
     used = {d for spec in input_specs + output_specs for d in spec.shape if isinstance(d, str)}
     return MethodDef(
-        symbols={sym: [low, high] for sym, (low, high) in plan.ranges.items() if sym in used},
+        symbols={plan.names.get(s, s): [low, high] for s, (low, high) in plan.ranges.items() if plan.names.get(s, s) in used},
         name=name,
         num_values=plan.num_values,
         inputs=inputs,
@@ -337,7 +399,6 @@ def _plan_delegate_partition(
         # the method's outputs: the function takes their storage as arguments.
         outputs_in_place=(
             not plan.memory_planned_outputs
-            and dynamic_results is not False
             and all(u.op == "output" for r in results for u in r.users if u not in members)
         ),
         input_names=[a.name for a in activations],
