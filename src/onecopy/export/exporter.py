@@ -414,15 +414,13 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
-def _lower_group(
-    group: list[tuple[_DelegatePartition, str]], table: ParameterTable, spec: CompileSpec, compiled: dict[str, Any]
-) -> LoweredBundle:
+def _lower_group(group: list[tuple[_DelegatePartition, str]], table: ParameterTable, spec: CompileSpec) -> LoweredBundle:
     """Lower one module and, for a portable bundle, compile it as its first load here will: an export that passes
     is a program that loads. Raises `CompileFailed` for the caller to find the op to blame."""
     where = "; ".join(p.staged(function).where for p, function in group)
     names = {k: v for p, _ in group for k, v in p.names.items()}
     try:
-        bundle = lower([p.staged(function) for p, function in group], table.tensors, spec, compiled=compiled)
+        bundle = lower([p.staged(function) for p, function in group], table.tensors, spec)
     except CompileFailed:
         raise
     except ExportError as e:
@@ -506,7 +504,9 @@ def export_program(
 
     decomposed = {name: _decompose(name, ep) for name, ep in methods.items()}
     on_host: dict[str, set[str]] = {name: set() for name in methods}
-    compiled: dict[str, Any] = {}  # compiles by source and target, kept across re-planning
+    # Modules lowered (and checked) so far, by what they are made of: planning again after moving an op to the
+    # host lowers only the modules that changed. Parameter names are the same in every round (the same adds).
+    lowered: dict[tuple, LoweredBundle] = {}
     while True:
         table = ParameterTable()
         partitions: list[_DelegatePartition] = []
@@ -521,8 +521,11 @@ def export_program(
             groups = [[(p, "main")] for p in partitions]
         bundles: list[LoweredBundle] = []
         for group in groups:
+            key = tuple((p.method, function, p.outputs_in_place, tuple(n.name for n in p.nodes)) for p, function in group)
             try:
-                bundles.append(_lower_group(group, table, specs[group[0][0].method], compiled))
+                if key not in lowered:
+                    lowered[key] = _lower_group(group, table, specs[group[0][0].method])
+                bundles.append(lowered[key])
             except CompileFailed as failure:
                 # Leave what IREE cannot compile on the host where a kernel can run it, and plan again.
                 _move_to_host(failure, [p for p, _ in group], table, on_host)

@@ -11,7 +11,6 @@ same target, travels beside it so a loader packs the weights once per machine in
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
-from onecopy.delegate.engine import compile_bundle, compiler_version
-from onecopy.delegate.specialize import Compiled, compile_with_encoder, wants_encoder
+from onecopy.delegate.engine import compile_bundle
+from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS, Target
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
@@ -108,13 +107,9 @@ def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
     return buffer.getvalue()
 
 
-def lower(
-    functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec,
-    *, compiled: dict[str, Compiled] | None = None,
-) -> LoweredBundle:
+def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
     """Stage `functions` as one module and package it: MLIR bytecode (`mlir`), or code per target (`vmfb`).
-    `compiled` remembers compiles by source and target, so an export that lowers a module again after moving an
-    op to the host compiles only what changed. Raises `CompileFailed` when IREE cannot compile a target."""
+    Raises `CompileFailed` when IREE cannot compile a target."""
     bytecode = stage(functions, parameters)
     names = [f.name for f in functions]
     if spec.packaging == "mlir":
@@ -122,22 +117,16 @@ def lower(
     code, encoders = {}, {}
     has_parameters = any(f.parameters for f in functions)
     where = "; ".join(f.where for f in functions)
-    digest = hashlib.sha256(bytecode).hexdigest()
     for name in spec.targets:
         target = TARGETS[name]
-        key = f"{digest}:{name}"
-        result = (compiled or {}).get(key)
-        if result is None:
-            try:
-                result = compile_with_encoder(bytecode, target, for_host=False, where=where,
-                                              with_encoder=wants_encoder(has_parameters, target))
-            except DelegateError as e:
-                raise CompileFailed(f"{where}: {e}", target=target, for_host=False) from e
-            if compiled is not None:
-                compiled[key] = result
-        code[name] = result.module
-        if result.encoder is not None:
-            encoders[name] = result.encoder
+        try:
+            compiled = compile_with_encoder(bytecode, target, for_host=False, where=where,
+                                            with_encoder=wants_encoder(has_parameters, target))
+        except DelegateError as e:
+            raise CompileFailed(f"{where}: {e}", target=target, for_host=False) from e
+        code[name] = compiled.module
+        if compiled.encoder is not None:
+            encoders[name] = compiled.encoder
     return LoweredBundle(spec.packaging, code, names, encoders)
 
 
@@ -150,28 +139,15 @@ class CompileFailed(ExportError):
         self.for_host = for_host
 
 
-# Modules that passed the export-time check in this process (sha256 of bytecode, target, compiler): an export of
-# the same model again (tests, notebooks) does not compile it again.
-_checked: dict[str, None] = {}
-_CHECKED_MAX = 256
-
-
 def check_compiles(bundle: LoweredBundle, has_parameters: bool, target: Target, where: str) -> None:
     """Compile a portable bundle as its first load on this machine will (`specialize`: host CPU features, data
     tiling or its fallback, the parameter encoder), so that an export that passes is a program that loads.
     Raises `CompileFailed`."""
-    bytecode = bundle.code[PORTABLE]
-    key = f"{hashlib.sha256(bytecode).hexdigest()}:{target.name}:{has_parameters}:{compiler_version()}"
-    if key in _checked:
-        return
     try:
-        compile_with_encoder(bytecode, target, for_host=True, where=where,
+        compile_with_encoder(bundle.code[PORTABLE], target, for_host=True, where=where,
                              with_encoder=wants_encoder(has_parameters, target))
     except DelegateError as e:
         raise CompileFailed(f"{where}: {e}", target=target, for_host=True) from e
-    if len(_checked) >= _CHECKED_MAX:
-        _checked.pop(next(iter(_checked)))
-    _checked[key] = None
 
 
 def compile_error(bytecode: bytes, target: Target, *, for_host: bool) -> str | None:
