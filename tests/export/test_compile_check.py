@@ -124,3 +124,11 @@ def test_reason_is_the_compilers_first_error_without_its_ir():
             "operation 'torch.aten.convolution' that was explicitly marked illegal: %12 = \"torch.aten.convolution\"")
     assert culprits_module.reason(text) == (
         "failed to legalize operation 'torch.aten.convolution' that was explicitly marked illegal")
+
+
+def test_failure_with_an_unbounded_dim_says_max_may_help(grouped_conv):
+    model, _ = grouped_conv
+    ep = torch.export.export(model, (torch.zeros(2, 8, 6, 6, 6),), dynamic_shapes=({0: torch.export.Dim("N")},))
+    with pytest.raises(UnsupportedOperator, match=r"'aten.convolution.default'.*Dimension\(s\) N have no upper bound: "
+                                                  r"torch.export.Dim\(..., max=...\) may let IREE compile it."):
+        export_program({"forward": ep})

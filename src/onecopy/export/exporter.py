@@ -172,9 +172,7 @@ class _MethodPlan:
         return self.ids[node]
 
     def encode(self, arg: Any, node: fx.Node) -> ValueArg | ConstArg:
-        if isinstance(arg, fx.Node) and is_symbolic(arg) or (
-            isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg)
-        ):
+        if not _host_can_take(arg):
             raise ExportError(
                 f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes a dynamic size or a "
                 "list of values, which host kernels cannot take yet; let the engine take this op or export the "
@@ -192,6 +190,13 @@ class _MethodPlan:
             f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes an argument of type "
             f"{type(arg).__name__}, which cannot run on the host; let the engine take this op."
         )
+
+
+def _host_can_take(arg: Any) -> bool:
+    """Whether a host kernel can take `arg`: not a size computed at run time, nor a list of values."""
+    if isinstance(arg, fx.Node):
+        return not is_symbolic(arg)
+    return not (isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg))
 
 
 def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
@@ -445,11 +450,16 @@ def _move_to_host(
 ) -> None:
     """Find the ops IREE cannot compile in the module that failed; those with a host kernel go to the host (a
     graph break, as `skip_ops` makes), any other fails the export naming op, node, method and source line."""
+    # IREE bounds some buffers by a dimension's largest size: an unbounded one can be what fails.
+    unbounded = sorted({p.names[s] for p in partitions for s, (_, high) in p.ranges.items() if high is None and s in p.names})
+    hint = (f" Dimension(s) {', '.join(unbounded)} have no upper bound: torch.export.Dim(..., max=...) may let IREE "
+            "compile it." if unbounded else "")
     culprits = find_culprits(partitions, failure, table.tensors)
     if not culprits:
         raise ExportError(
-            f"{failure} No single operator was found to blame: the failure comes from ops together. Leave some on the "
-            "host with Partitioner(skip_ops=(...)) and a registered host kernel, or change the model."
+            f"{_rename(str(failure), {k: v for p in partitions for k, v in p.names.items()})} No single operator was "
+            "found to blame: the failure comes from ops together. Leave some on the host with "
+            f"Partitioner(skip_ops=(...)) and a registered host kernel, or change the model.{hint}"
         ) from failure
     for culprit in culprits:
         name, node = op_name(culprit.node), culprit.node
@@ -460,7 +470,12 @@ def _move_to_host(
             raise UnsupportedOperator(
                 f"{where} Register a host kernel with onecopy.runtime.register_host_kernel('{name}', fn) (the export "
                 f"then leaves this op on the host: a graph break, as Partitioner(skip_ops=('{name}',)) does for "
-                "every node of the op), or change the model to avoid it."
+                f"every node of the op), or change the model to avoid it.{hint}"
+            ) from failure
+        if not all(_host_can_take(a) for a in (*node.args, *node.kwargs.values())):
+            raise UnsupportedOperator(
+                f"{where} Its host kernel cannot run it either: it takes a size computed at run time or a list of "
+                f"values. Export the method with static shapes, or change the model to avoid it.{hint}"
             ) from failure
         log.warning("%s It runs on the host kernel registered for it (a graph break).", where)
         on_host[culprit.method].add(node.name)
