@@ -20,6 +20,10 @@ class CompileSpec:
         compute_units: "cpu", "gpu" or "all" (best available); can be overridden at load.
         targets: for "vmfb" only: which targets to compile for, e.g. ("x86_64", "aarch64"). Default: this
             machine's CPU.
+        check_compiles: for "mlir": compile each module at export as its first load will (this machine's CPU,
+            the same flags), so that an op IREE cannot compile fails the export, naming it, instead of the first
+            load (or runs on a registered host kernel). On by default; off only to save a compile where the
+            program is known to compile (`vmfb` always compiles at export).
 
     Example:
         CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))
@@ -28,8 +32,11 @@ class CompileSpec:
     packaging: str = "mlir"
     compute_units: str = "cpu"
     targets: tuple[str, ...] = ()
+    check_compiles: bool = True
 
     def __post_init__(self) -> None:
+        if type(self.check_compiles) is not bool:
+            raise InvalidArgument(f"CompileSpec.check_compiles expects bool, got {type(self.check_compiles).__name__}.")
         if self.packaging not in PACKAGINGS:
             raise InvalidArgument(f"Unsupported packaging '{self.packaging}'; expected mlir or vmfb.")
         if self.compute_units not in COMPUTE_UNITS:

@@ -1,30 +1,39 @@
 """export_program: `torch.export` programs of several methods -> one program file.
 
     decompose (core ATen) -> partition (engine vs host) -> plan values and instructions
-    -> lower the delegate partitions (one module each, or one for all with multifunction) -> deliver into the
-       named data store with a manifest per delegate
+    -> lower the delegate partitions (one module each, or one for all with multifunction) and compile them as
+       their first load will (an op IREE cannot compile goes to a host kernel, and the method is planned again,
+       or fails the export naming it) -> deliver into the named data store with a manifest per delegate
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import operator
+import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import sympy
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from onecopy.delegate.manifest import MANIFEST_VERSION, PORTABLE
-from onecopy.errors import ExportError, InvalidArgument
+from onecopy.delegate.targets import select_target
+from onecopy.errors import DelegateError, ExportError, InvalidArgument, UnsupportedOperator
 from onecopy.export.compile_spec import CompileSpec
-from onecopy.export.lowering import LoweredBundle, StagedFunction, lower
+from onecopy.export.culprits import find_culprits, reason, source_line
+from onecopy.export.lowering import CompileFailed, LoweredBundle, StagedFunction, check_compiles, lower
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
+from onecopy.runtime.host_kernels import has_host_kernel
+from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
 from onecopy.program import (
     ConstantDef,
     ConstArg,
@@ -42,62 +51,65 @@ from onecopy.program import (
 
 __all__ = ["export_program"]
 
+log = logging.getLogger("onecopy")
+
 BACKEND = "IreeBackend"
 _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
-def _tensor_spec(node: fx.Node, where: str) -> TensorSpec:
+def _tensor_spec(node: fx.Node, where: str, names: Mapping[str, str] | None = None) -> TensorSpec:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise ExportError(f"{where}: '{node.name}' is not a tensor ({type(val).__name__}); only tensors cross a method's boundary.")
-    shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else str(d) for d in val.shape]
+    shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else _rename(str(d), names or {}) for d in val.shape]
     return TensorSpec(shape=shape, dtype=str(val.dtype).removeprefix("torch."))
 
 
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_TORCH_SYMBOL = re.compile(r"\b[su]\d+\b")  # torch's names for sizes: s31 (from inputs), u0 (data-dependent)
 
 
-def _is_symbolic(node: fx.Node) -> bool:
-    """A shape computation (sym_size, arithmetic on sizes): recomputed inside each partition that needs it."""
-    return isinstance(node.meta.get("val"), _SYMBOLIC)
+def _rename(text: str, names: Mapping[str, str]) -> str:
+    """`text` with torch's symbols (s31) replaced by the names the user knows them by (T)."""
+    return _TORCH_SYMBOL.sub(lambda m: names.get(m.group(), m.group()), text) if names else text
 
 
-def _dim_value(d: Any) -> int:
-    return int(d) if isinstance(d, int) else int(d.node.hint)
-
-
-def _example(node: fx.Node) -> torch.Tensor:
-    val = node.meta["val"]
-    return torch.zeros([_dim_value(d) for d in val.shape], dtype=val.dtype)
-
-
-def _dynamic_shapes(nodes: list[fx.Node], ranges: dict[str, tuple[int, int | None]]) -> tuple | None:
-    """torch.export dynamic_shapes for re-exporting a partition: one `Dim` per symbol, shared across arguments
-    so the engine function keeps the method's dynamic dimensions. None when every shape is static, and
-    `False` when a dimension is an expression (e.g. 2*s0) a `Dim` cannot name."""
-    dims: dict[str, Any] = {}
-    specs = []
-    for node in nodes:
-        spec = {}
+def _symbol_names(ep: ExportedProgram) -> dict[str, str]:
+    """torch symbol -> the name of the user's `torch.export.Dim` for it (s31 -> T), or `x.shape[1]` for a dynamic
+    dimension the user did not name (Dim.AUTO). torch keeps the Dim names only in the shape environment of the
+    example values (which source, e.g. L['x'].size()[0], got which Dim name): read where present, else the input
+    and axis where the symbol first appears."""
+    names: dict[str, str] = {}
+    user_inputs = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
         for axis, d in enumerate(node.meta["val"].shape):
-            if isinstance(d, int):
+            expr = getattr(getattr(d, "node", None), "expr", None)
+            if not isinstance(expr, sympy.Symbol) or str(expr) in names:
                 continue
-            name = str(d)
-            if name not in ranges:
-                return False  # type: ignore[return-value]
-            if name not in dims:
-                low, high = ranges[name]
-                dims[name] = torch.export.Dim(name, min=max(low, 0), max=high) if high is not None else torch.export.Dim(name, min=max(low, 0))
-            spec[axis] = dims[name]
-        specs.append(spec or None)
-    return tuple(specs) if dims else None
+            names[str(expr)] = _dim_name(d, expr) or f"{node.name}.shape[{axis}]"
+    return names
+
+
+def _dim_name(d: Any, symbol: sympy.Symbol) -> str | None:
+    try:
+        shape_env = d.node.shape_env
+        debug_names = shape_env.source_name_to_debug_name
+        for source in shape_env.var_to_sources.get(symbol, ()):
+            source_name = source.name() if callable(source.name) else source.name
+            if source_name in debug_names:
+                return str(debug_names[source_name])
+    except AttributeError:  # torch internals moved: fall back to the input and axis
+        return None
+    return None
 
 
 def _symbol_ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     ranges = {}
     for symbol, vr in ep.range_constraints.items():
+        # torch's unbounded upper end is `int_oo`, which claims `is_finite` and cannot be converted by int().
         upper = vr.upper
-        ranges[str(symbol)] = (int(vr.lower), int(upper) if upper.is_finite else None)
+        ranges[str(symbol)] = (int(vr.lower), int(upper) if isinstance(upper, sympy.Integer) else None)
     return ranges
 
 
@@ -111,15 +123,20 @@ class _DelegatePartition:
     example_args: tuple[torch.Tensor, ...]
     example_results: tuple[torch.Tensor, ...]
     dynamic_args: tuple | None
-    dynamic_results: tuple | None | bool
+    dynamic_results: tuple | None
     outputs_in_place: bool
     input_names: list[str]
     output_names: list[str]
+    # what the compile check needs to try the partition's ops alone
+    nodes: list[fx.Node] = field(default_factory=list)
+    weights: dict[fx.Node, str] = field(default_factory=dict)
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
                               self.example_results, f"method '{self.method}', partition {self.index}",
-                              self.dynamic_args, self.dynamic_results or None, self.outputs_in_place)
+                              self.dynamic_args, self.dynamic_results, self.outputs_in_place)
 
 
 @dataclass
@@ -129,6 +146,7 @@ class _MethodPlan:
     name: str
     table: ParameterTable
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # torch symbol -> the user's name for it
     memory_planned_outputs: bool = True
     ids: dict[fx.Node, int] = field(default_factory=dict)
     num_values: int = 0
@@ -149,14 +167,12 @@ class _MethodPlan:
             vid = self.new_id()
             self.ids[node] = vid
             self.constants.append(
-                ConstantDef(id=vid, key=parameter_key(self.table.digests[name]), spec=_tensor_spec(node, self.name))
+                ConstantDef(id=vid, key=parameter_key(self.table.digests[name]), spec=_tensor_spec(node, self.name, self.names))
             )
         return self.ids[node]
 
     def encode(self, arg: Any, node: fx.Node) -> ValueArg | ConstArg:
-        if isinstance(arg, fx.Node) and _is_symbolic(arg) or (
-            isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg)
-        ):
+        if not _host_can_take(arg):
             raise ExportError(
                 f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes a dynamic size or a "
                 "list of values, which host kernels cannot take yet; let the engine take this op or export the "
@@ -174,6 +190,13 @@ class _MethodPlan:
             f"Method '{self.name}': host op '{op_name(node)}' (node '{node.name}') takes an argument of type "
             f"{type(arg).__name__}, which cannot run on the host; let the engine take this op."
         )
+
+
+def _host_can_take(arg: Any) -> bool:
+    """Whether a host kernel can take `arg`: not a size computed at run time, nor a list of values."""
+    if isinstance(arg, fx.Node):
+        return not is_symbolic(arg)
+    return not (isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg))
 
 
 def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
@@ -196,10 +219,7 @@ def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
             )
 
 
-def _plan_method(
-    name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition],
-    memory_planned_outputs: bool,
-) -> MethodDef:
+def _decompose(name: str, ep: ExportedProgram) -> ExportedProgram:
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
     ep = ep.run_decompositions()
     signature = ep.graph_signature
@@ -209,8 +229,17 @@ def _plan_method(
             f"Method '{name}' mutates {', '.join(mutated)}; onecopy methods are pure functions. Export the model in "
             "eval mode, or return the new state as an output."
         )
+    return ep
+
+
+def _plan_method(
+    name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition],
+    memory_planned_outputs: bool, on_host: frozenset[str] = frozenset(),
+) -> MethodDef:
+    """Plan a decomposed method; `on_host`: nodes the compile check moved to the host."""
+    signature = ep.graph_signature
     graph = ep.graph_module.graph
-    plan = _MethodPlan(name, table, _symbol_ranges(ep), memory_planned_outputs)
+    plan = _MethodPlan(name, table, _symbol_ranges(ep), _symbol_names(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -221,14 +250,14 @@ def _plan_method(
                 tensor = ep.constants[spec.target]
             plan.weights[node] = table.add(spec.target, tensor)
         elif spec.kind == InputKind.USER_INPUT:
-            input_specs.append(_tensor_spec(node, f"Method '{name}', input '{node.name}'"))
+            input_specs.append(_tensor_spec(node, f"Method '{name}', input '{node.name}'", plan.names))
             plan.ids[node] = plan.new_id()
             inputs.append(plan.ids[node])
         else:
             raise ExportError(f"Method '{name}': input '{node.name}' of kind {spec.kind.name} is not supported.")
 
     delegate_index = 0
-    for partition in partitioner.partition(graph, name):
+    for partition in partitioner.partition(graph, name, on_host):
         if partition.on_host:
             _plan_host_op(plan, partition.nodes[0])
             continue
@@ -244,11 +273,11 @@ def _plan_method(
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
             raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
         outputs.append(plan.value(value))
-        spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'")
+        spec_ = _tensor_spec(value, f"Method '{name}', output '{value.name}'", plan.names)
         output_specs.append(msgspec.structs.replace(spec_, memory_planned=memory_planned_outputs))
     used = {d for spec in input_specs + output_specs for d in spec.shape if isinstance(d, str)}
     return MethodDef(
-        symbols={sym: [low, high] for sym, (low, high) in plan.ranges.items() if sym in used},
+        symbols={plan.names.get(s, s): [low, high] for s, (low, high) in plan.ranges.items() if plan.names.get(s, s) in used},
         name=name,
         num_values=plan.num_values,
         inputs=inputs,
@@ -278,70 +307,39 @@ def _plan_host_op(plan: _MethodPlan, node: fx.Node) -> None:
 def _plan_delegate_partition(
     plan: _MethodPlan, partition: Partition, index: int, delegate: int
 ) -> _DelegatePartition | None:
-    # Shape computations the partition reads are recomputed inside it, ahead of its own nodes.
-    symbolic: list[fx.Node] = []
-
-    def pull(node: fx.Node) -> None:
-        for source in node.all_input_nodes:
-            if _is_symbolic(source) and source not in symbolic:
-                pull(source)
-                symbolic.append(source)
-
-    for node in partition.nodes:
-        pull(node)
-    nodes = symbolic + partition.nodes
-    members = set(nodes)
-    weights: list[fx.Node] = []
-    activations: list[fx.Node] = []
-    for node in nodes:
-        for source in node.all_input_nodes:
-            if source in members:
-                continue
-            bucket = weights if source in plan.weights else activations
-            if source not in bucket:
-                bucket.append(source)
-    results = [
-        n for n in partition.nodes
-        if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in members for u in n.users)
-    ]
-    if not results:
+    piece = cut(partition.nodes, plan.weights)
+    if piece is None:
         return None  # dead code: nothing outside uses it
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for source in weights + activations:
-        env[source] = graph.placeholder(source.name)
-        env[source].meta = dict(source.meta)
-    for node in nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in results))
-    graph_module = fx.GraphModule(torch.nn.Module(), graph)
-
+    activations, results = piece.activations, piece.results
     inputs = [plan.value(a) for a in activations]
     outputs = []
     for node in results:
         plan.ids[node] = plan.new_id()
         outputs.append(plan.ids[node])
     plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
-    dynamic_results = _dynamic_shapes(activations + results, plan.ranges)
+    members = set(partition.nodes)
     return _DelegatePartition(
         method=plan.name,
         index=index,
         delegate=delegate,
-        graph_module=graph_module,
-        parameters=[plan.weights[w] for w in weights],
-        example_args=tuple(_example(a) for a in activations),
-        example_results=tuple(_example(r) for r in results),
-        dynamic_args=_dynamic_shapes(activations, plan.ranges),
-        dynamic_results=dynamic_results,
+        graph_module=piece.graph_module,
+        parameters=[plan.weights[w] for w in piece.weights],
+        example_args=tuple(example(a) for a in activations),
+        example_results=tuple(example(r) for r in results),
+        dynamic_args=dynamic_shapes(activations, plan.ranges),
+        dynamic_results=dynamic_shapes(activations + results, plan.ranges),
         # Caller-provided outputs (not memory planned) are written in place when the partition produces exactly
         # the method's outputs: the function takes their storage as arguments.
         outputs_in_place=(
             not plan.memory_planned_outputs
-            and dynamic_results is not False
             and all(u.op == "output" for r in results for u in r.users if u not in members)
         ),
         input_names=[a.name for a in activations],
         output_names=[r.name for r in results],
+        nodes=list(partition.nodes),
+        weights=plan.weights,
+        ranges=plan.ranges,
+        names=plan.names,
     )
 
 
@@ -421,6 +419,68 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
+def _lower_group(group: list[tuple[_DelegatePartition, str]], table: ParameterTable, spec: CompileSpec) -> LoweredBundle:
+    """Lower one module and, for a portable bundle, compile it as its first load here will: an export that passes
+    is a program that loads. Raises `CompileFailed` for the caller to find the op to blame."""
+    where = "; ".join(p.staged(function).where for p, function in group)
+    names = {k: v for p, _ in group for k, v in p.names.items()}
+    try:
+        bundle = lower([p.staged(function) for p, function in group], table.tensors, spec)
+    except CompileFailed:
+        raise
+    except ExportError as e:
+        renamed = _rename(str(e), names)  # turbine's messages speak of torch's s31, the user wrote T
+        if renamed != str(e):
+            raise ExportError(renamed) from e
+        raise
+    if spec.packaging == "mlir" and spec.check_compiles:
+        try:
+            target = select_target(spec.compute_units, where)
+        except DelegateError as e:  # e.g. compute_units="gpu" exported on a machine without one
+            log.info("%s: not checked at export, no target for compute units '%s' here: %s", where, spec.compute_units, e)
+            return bundle
+        started = time.perf_counter()
+        check_compiles(bundle, any(p.parameters for p, _ in group), target, where)
+        log.debug("%s: compiles for %s (checked in %.0f ms)", where, target.name, (time.perf_counter() - started) * 1e3)
+    return bundle
+
+
+def _move_to_host(
+    failure: CompileFailed, partitions: list[_DelegatePartition], table: ParameterTable, on_host: dict[str, set[str]]
+) -> None:
+    """Find the ops IREE cannot compile in the module that failed; those with a host kernel go to the host (a
+    graph break, as `skip_ops` makes), any other fails the export naming op, node, method and source line."""
+    # IREE bounds some buffers by a dimension's largest size: an unbounded one can be what fails.
+    unbounded = sorted({p.names[s] for p in partitions for s, (_, high) in p.ranges.items() if high is None and s in p.names})
+    hint = (f" Dimension(s) {', '.join(unbounded)} have no upper bound: torch.export.Dim(..., max=...) may let IREE "
+            "compile it." if unbounded else "")
+    culprits = find_culprits(partitions, failure, table.tensors)
+    if not culprits:
+        raise ExportError(
+            f"{_rename(str(failure), {k: v for p in partitions for k, v in p.names.items()})} No single operator was "
+            "found to blame: the failure comes from ops together. Leave some on the host with "
+            f"Partitioner(skip_ops=(...)) and a registered host kernel, or change the model.{hint}"
+        ) from failure
+    for culprit in culprits:
+        name, node = op_name(culprit.node), culprit.node
+        at = source_line(node)
+        where = f"Method '{culprit.method}': IREE cannot compile operator '{name}' (node '{node.name}'" + (
+            f" at {at})" if at else ")") + f" for {failure.target.name}: {reason(culprit.error)}."
+        if not has_host_kernel(name) or node.name in on_host[culprit.method]:
+            raise UnsupportedOperator(
+                f"{where} Register a host kernel with onecopy.runtime.register_host_kernel('{name}', fn) (the export "
+                f"then leaves this op on the host: a graph break, as Partitioner(skip_ops=('{name}',)) does for "
+                f"every node of the op), or change the model to avoid it.{hint}"
+            ) from failure
+        if not all(_host_can_take(a) for a in (*node.args, *node.kwargs.values())):
+            raise UnsupportedOperator(
+                f"{where} Its host kernel cannot run it either: it takes a size computed at run time or a list of "
+                f"values. Export the method with static shapes, or change the model to avoid it.{hint}"
+            ) from failure
+        log.warning("%s It runs on the host kernel registered for it (a graph break).", where)
+        on_host[culprit.method].add(node.name)
+
+
 def export_program(
     methods: Mapping[str, ExportedProgram],
     *,
@@ -444,7 +504,10 @@ def export_program(
 
     Raises:
         InvalidArgument: bad methods, partitioner or compile spec.
-        UnsupportedOperator: an op that neither IREE nor a host kernel can run.
+        UnsupportedOperator: an op that neither IREE (importing or compiling it: a portable module is compiled
+            here as its first load will, see `CompileSpec.check_compiles`) nor a host kernel can run; the message
+            names op, node, method and the model's source line. An op IREE cannot compile that has a registered
+            host kernel runs on the host instead (a graph break), with a warning.
         ExportError: the model cannot be lowered (the message names method and partition).
     """
     _check_methods(methods)
@@ -454,12 +517,36 @@ def export_program(
     if type(memory_planned_outputs) is not bool:
         raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
 
-    table = ParameterTable()
-    partitions: list[_DelegatePartition] = []
-    method_defs = [
-        _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs)
-        for name, ep in methods.items()
-    ]
+    decomposed = {name: _decompose(name, ep) for name, ep in methods.items()}
+    on_host: dict[str, set[str]] = {name: set() for name in methods}
+    # Modules lowered (and checked) so far, by what they are made of: planning again after moving an op to the
+    # host lowers only the modules that changed. Parameter names are the same in every round (the same adds).
+    lowered: dict[tuple, LoweredBundle] = {}
+    while True:
+        table = ParameterTable()
+        partitions: list[_DelegatePartition] = []
+        method_defs = [
+            _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs,
+                         frozenset(on_host[name]))
+            for name, ep in decomposed.items()
+        ]
+        if multifunction:
+            groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
+        else:
+            groups = [[(p, "main")] for p in partitions]
+        bundles: list[LoweredBundle] = []
+        for group in groups:
+            key = tuple((p.method, function, p.outputs_in_place, tuple(n.name for n in p.nodes)) for p, function in group)
+            try:
+                if key not in lowered:
+                    lowered[key] = _lower_group(group, table, specs[group[0][0].method])
+                bundles.append(lowered[key])
+            except CompileFailed as failure:
+                # Leave what IREE cannot compile on the host where a kernel can run it, and plan again.
+                _move_to_host(failure, [p for p, _ in group], table, on_host)
+                break
+        else:
+            break
 
     store = NamedDataStore()
     for constant in (c for m in method_defs for c in m.constants):
@@ -467,13 +554,8 @@ def export_program(
         store.add(constant.key, ParameterTable.host_bytes(table.tensors[name]))
 
     manifests: list[dict[str, Any]] = [{} for _ in partitions]
-    if multifunction:
-        groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
-    else:
-        groups = [[(p, "main")] for p in partitions]
-    for group in groups:
+    for group, bundle in zip(groups, bundles):
         compile_spec = specs[group[0][0].method]  # one spec per group: checked equal for multifunction
-        bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec)
         used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
         export_hash, keys, encoders, bound = _deliver(bundle, table, used, store)
         for p, function in group:

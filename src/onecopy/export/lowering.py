@@ -19,12 +19,13 @@ import torch
 import torch.fx as fx
 
 from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
+from onecopy.delegate.engine import compile_bundle
 from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
-from onecopy.delegate.targets import TARGETS
+from onecopy.delegate.targets import TARGETS, Target
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
 
-__all__ = ["StagedFunction", "LoweredBundle", "lower"]
+__all__ = ["StagedFunction", "LoweredBundle", "CompileFailed", "stage", "lower", "check_compiles", "compile_error"]
 
 
 @dataclass
@@ -83,7 +84,8 @@ def _stage(fxb, function: StagedFunction) -> None:
     fxb.export_program(name=function.name, args=args, strict=False, dynamic_shapes=_varargs(dynamic))(fn)
 
 
-def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
+def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor]) -> bytes:
+    """Import `functions` through iree-turbine as one module: its MLIR bytecode."""
     from iree.turbine import aot
 
     root = torch.nn.Module()
@@ -102,20 +104,63 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         exported.mlir_module.operation.write_bytecode(buffer)
     except Exception as e:
         raise ExportError(f"iree-turbine could not import {where}: {e}") from e
-    bytecode = buffer.getvalue()
+    return buffer.getvalue()
+
+
+def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
+    """Stage `functions` as one module and package it: MLIR bytecode (`mlir`), or code per target (`vmfb`).
+    Raises `CompileFailed` when IREE cannot compile a target."""
+    bytecode = stage(functions, parameters)
     names = [f.name for f in functions]
     if spec.packaging == "mlir":
         return LoweredBundle(spec.packaging, {PORTABLE: bytecode}, names)
     code, encoders = {}, {}
     has_parameters = any(f.parameters for f in functions)
+    where = "; ".join(f.where for f in functions)
     for name in spec.targets:
         target = TARGETS[name]
         try:
             compiled = compile_with_encoder(bytecode, target, for_host=False, where=where,
                                             with_encoder=wants_encoder(has_parameters, target))
         except DelegateError as e:
-            raise ExportError(f"{where}: {e}") from e
+            raise CompileFailed(f"{where}: {e}", target=target, for_host=False) from e
         code[name] = compiled.module
         if compiled.encoder is not None:
             encoders[name] = compiled.encoder
     return LoweredBundle(spec.packaging, code, names, encoders)
+
+
+class CompileFailed(ExportError):
+    """IREE could not compile a staged module for `target`: the exporter then looks for the op to blame."""
+
+    def __init__(self, message: str, *, target: Target, for_host: bool) -> None:
+        super().__init__(message)
+        self.target = target
+        self.for_host = for_host
+
+
+def check_compiles(bundle: LoweredBundle, has_parameters: bool, target: Target, where: str) -> None:
+    """Compile a portable bundle as its first load on this machine will (`specialize`: host CPU features, data
+    tiling or its fallback, the parameter encoder), so that an export that passes is a program that loads.
+    Raises `CompileFailed`."""
+    try:
+        compile_with_encoder(bundle.code[PORTABLE], target, for_host=True, where=where,
+                             with_encoder=wants_encoder(has_parameters, target))
+    except DelegateError as e:
+        raise CompileFailed(f"{where}: {e}", target=target, for_host=True) from e
+
+
+def compile_error(bytecode: bytes, target: Target, *, for_host: bool) -> str | None:
+    """Why IREE cannot compile `bytecode` for `target`, or None when it can: with data tiling, or without it as
+    a load falls back to (the parameter encoder is left out: it packs weights, it does not decide which ops
+    compile)."""
+    try:
+        compile_bundle(bytecode, target, for_host=for_host)
+        return None
+    except DelegateError:
+        pass
+    try:
+        compile_bundle(bytecode, target, for_host=for_host, data_tiling=False)
+        return None
+    except DelegateError as e:
+        return str(e)

@@ -59,14 +59,16 @@ class Partitioner:
                 f"Partitioner.multifunction expects bool, got {type(self.multifunction).__name__}."
             )
 
-    def engine_takes(self, node: fx.Node) -> bool:
+    def engine_takes(self, node: fx.Node, on_host: frozenset[str] = frozenset()) -> bool:
         name = op_name(node)
-        if name in self.skip_ops:
+        if name in self.skip_ops or node.name in on_host:
             return False
         target = node.target
         return isinstance(target, torch._ops.OpOverload) and target.namespace in _ENGINE_NAMESPACES
 
-    def partition(self, graph: fx.Graph, method: str) -> list[Partition]:
+    def partition(self, graph: fx.Graph, method: str, on_host: frozenset[str] = frozenset()) -> list[Partition]:
+        """`on_host`: names of nodes left on the host besides `skip_ops`: those the export-time compile check
+        found IREE cannot compile, which have a host kernel."""
         partitions: list[Partition] = []
         owner: dict[fx.Node, Partition] = {}
         for node in graph.nodes:
@@ -82,7 +84,7 @@ class Partitioner:
                     producer.nodes.append(node)
                 owner[node] = producer
                 continue
-            if not self.engine_takes(node):
+            if not self.engine_takes(node, on_host):
                 name = op_name(node)
                 if not has_host_kernel(name):
                     reason = "it is in skip_ops" if name in self.skip_ops else "IREE cannot import it"
