@@ -21,7 +21,9 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from onecopy.program.schema import ConstArg, DelegateCall, HostOp, MethodDef, ProgramDef, SegmentDef, TensorSpec
+from onecopy.program.schema import (
+    ConstArg, DelegateCall, DelegateDef, HostOp, MethodDef, ProgramDef, SegmentDef, TensorSpec,
+)
 
 __all__ = ["DTYPES", "Problem", "structure_problems", "hash_problems"]
 
@@ -60,7 +62,7 @@ def structure_problems(definition: ProgramDef, *, file_size: int, header_end: in
             problems.append(Problem(f"method {index} ('{method.name}')",
                                     f"a second method named '{method.name}'; method names must be unique"))
         seen.add(method.name)
-        problems.extend(_method_problems(method, len(definition.delegates), segments))
+        problems.extend(_method_problems(method, definition.delegates, segments))
     for index, delegate in enumerate(definition.delegates):
         if not delegate.backend:
             problems.append(Problem(f"delegate {index}, field backend", "the backend name is empty"))
@@ -101,8 +103,10 @@ def _segment_problems(segments: list[SegmentDef], file_size: int, header_end: in
                                  f"{file_size}")
 
 
-def _method_problems(method: MethodDef, delegates: int, segments: dict[str, SegmentDef]) -> Iterator[Problem]:
+def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
+                     segments: dict[str, SegmentDef]) -> Iterator[Problem]:
     name = method.name
+    delegates = len(delegate_defs)
     at = f"method '{name}'"
     if not name:
         yield Problem(at, "the method name is empty")
@@ -170,6 +174,8 @@ def _method_problems(method: MethodDef, delegates: int, segments: dict[str, Segm
                               + (f" (0..{delegates - 1})" if delegates else ""))
             reads = list(ins.inputs)
             yield from ids(ins.inputs, f"{where}, field inputs")
+            if 0 <= ins.delegate < delegates:
+                yield from _arity_problems(ins, delegate_defs[ins.delegate].manifest, where)
         elif isinstance(ins, HostOp):
             where = f"{at}, instruction {position} (host_op {ins.op})"
             if not ins.op:
@@ -196,6 +202,17 @@ def _method_problems(method: MethodDef, delegates: int, segments: dict[str, Segm
         if 0 <= vid < count and vid not in defined:
             yield Problem(f"{at}, field outputs[{position}]",
                           f"value {vid} is never written (not an input, a constant or an instruction's result)")
+
+
+def _arity_problems(call: DelegateCall, manifest: dict, where: str) -> Iterator[Problem]:
+    # Every manifest names its function's arguments and results (`input_names`, `output_names`): a call passing
+    # another count would fail in the engine's own terms. Their types are the backend's to check, at its init.
+    for field, names, values in (("inputs", manifest.get("input_names"), call.inputs),
+                                 ("outputs", manifest.get("output_names"), call.outputs)):
+        if isinstance(names, list) and len(names) != len(values):
+            yield Problem(f"{where}, field {field}",
+                          f"{len(values)} {field} for delegate {call.delegate}, whose manifest names "
+                          f"{len(names)} ({field[:-1]}_names)")
 
 
 def _spec_problems(spec: TensorSpec, where: str) -> Iterator[Problem]:
