@@ -35,6 +35,19 @@ def with_header(data: bytes, header: Any) -> bytes | None:
     return bytes(preamble) + encoded + padding + data[data_offset:]
 
 
+def header_of(data: bytes) -> Any:
+    """The decoded JSON header of a program's bytes."""
+    header_end, _ = layout(data)
+    return msgspec.json.decode(data[PREAMBLE.size:header_end])
+
+
+def with_field(data: bytes, path: tuple, value: Any) -> bytes:
+    """`data` with the header field at `path` (keys and indices) set to `value`."""
+    out = with_header(data, _replace(header_of(data), path, value))
+    assert out is not None, "the changed header no longer fits before the data"
+    return out
+
+
 def _leaves(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     yield path, node
     if isinstance(node, dict):
