@@ -148,8 +148,8 @@ def read_program(source: Source) -> LoadedProgramFile:
         problems = structure_problems(definition, file_size=buffer.nbytes, header_end=header_end,
                                       data_offset=data_offset, page_size=PAGE_SIZE)
         if problems:
-            more = len(problems) - 1
-            more = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+            others = len(problems) - 1
+            more = f" (and {others} more problem{'s' if others > 1 else ''})" if others else ""
             raise ProgramFormatError(
                 f"Program '{where}' is damaged or was not written by onecopy: {problems[0]}{more}. Re-export or "
                 f"re-copy the program; {_verify_hint(path)} lists every problem."

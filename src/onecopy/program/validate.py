@@ -123,11 +123,12 @@ def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
                       f"{count} values, but the method defines only {defined_anywhere} (inputs, constants and "
                       "instruction results)")
 
+    has = f"the method has {count} values (0..{count - 1})" if count else "the method has no values"
+
     def ids(values: Iterable[int], where: str) -> Iterator[Problem]:
         for position, vid in enumerate(values):
             if not 0 <= vid < count:
-                yield Problem(f"{where}[{position}]", f"value {vid} does not exist; the method has {count} "
-                                                      f"values (0..{count - 1})")
+                yield Problem(f"{where}[{position}]", f"value {vid} does not exist; {has}")
 
     yield from ids(method.inputs, f"{at}, field inputs")
     yield from ids(method.outputs, f"{at}, field outputs")
@@ -187,8 +188,7 @@ def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
                         continue
                     label = f"[{key}]" if field == "args" else f"['{key}']"
                     if not 0 <= arg.id < count:
-                        yield Problem(f"{where}, field {field}{label}", f"value {arg.id} does not exist; the "
-                                                                        f"method has {count} values")
+                        yield Problem(f"{where}, field {field}{label}", f"value {arg.id} does not exist; {has}")
                     reads.append(arg.id)
         else:  # the schema's union has these two members only
             continue
