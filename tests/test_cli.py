@@ -83,3 +83,30 @@ def test_bench_prints_latency_percentiles(small_program_path, capsys):
     out = capsys.readouterr().out
     assert "p50 ms" in out and "forward" in out and "prefill" in out and "float32[16, 64]" in out
 
+
+
+def test_verify_says_ok_for_a_whole_program(small_program_path, capsys):
+    assert main(["verify", str(small_program_path)]) == 0
+    assert capsys.readouterr().out == (
+        f"{small_program_path}: ok (header, every segment's sha256, every delegate's manifest)\n")
+
+
+def test_verify_prints_one_line_per_problem_and_exits_1(small_program, tmp_path, capsys):
+    from tests.program.test_verify import flipped
+
+    data, key = flipped(small_program.to_bytes(), "param/")
+    path = tmp_path / "flipped.onecopy"
+    path.write_bytes(data)
+    assert main(["verify", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"segment '{key}': its bytes do not match the sha256 in the header (recorded ")
+    assert lines[1] == f"{path}: 1 problem"
+    path.write_bytes(small_program.to_bytes()[:-1])
+    assert main(["verify", str(path)]) == 1
+    assert "truncated: named data " in capsys.readouterr().out
+
+
+def test_verify_of_a_missing_file_is_an_error_exit_2(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "missing.onecopy")]) == 2
+    assert capsys.readouterr().err == f"onecopy verify: error: Program file '{tmp_path / 'missing.onecopy'}' does not exist.\n"

@@ -1,4 +1,4 @@
-"""onecopy demo | export | inspect | run | bench | cache"""
+"""onecopy demo | export | inspect | verify | run | bench | cache"""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"    parameter encoders (pack the weights once per machine): {encoders}")
     finally:
         loaded.close()
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """One line per problem of the file (exit 1), or one line saying it is whole (exit 0)."""
+    from onecopy.runtime import verify_program
+
+    problems = verify_program(args.file)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{args.file}: {len(problems)} problem{'s' if len(problems) != 1 else ''}")
+        return 1
+    print(f"{args.file}: ok (header, every segment's sha256, every delegate's manifest)")
     return 0
 
 
@@ -230,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="methods, instructions, delegates, functions and sizes of a program")
     p.add_argument("file")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check a program file whole without running it: structure, every "
+                                      "segment's sha256, every manifest; exit 1 on any problem")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("run", help="run one method on .npy inputs")
     p.add_argument("file")

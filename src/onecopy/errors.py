@@ -10,6 +10,7 @@ __all__ = [
     "OnecopyError",
     "InvalidArgument",
     "ProgramFormatError",
+    "ProgramError",
     "ExportError",
     "UnsupportedOperator",
     "DelegateError",
@@ -43,3 +44,7 @@ class DelegateError(OnecopyError):
 
 class ExecutionError(OnecopyError):
     """A method was called with inputs or outputs it cannot take."""
+
+
+# The name issue #16 gives a damaged or foreign program file's error: the same class.
+ProgramError = ProgramFormatError

@@ -10,6 +10,7 @@ from onecopy.program import (
     MAGIC,
     PAGE_SIZE,
     DelegateCall,
+    DelegateDef,
     HostOp,
     MethodDef,
     NamedDataStore,
@@ -40,7 +41,7 @@ def tiny_program() -> ProgramFile:
                    kwargs={"max": ConstArg(value=[1, 2.5, None])}),
         ],
     )
-    definition = ProgramDef(methods=[method], delegates=[], segments=[])
+    definition = ProgramDef(methods=[method], delegates=[DelegateDef(backend="IreeBackend", manifest={})], segments=[])
     return ProgramFile(definition, store)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +16,10 @@ from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
 from onecopy.delegate.specialize import Specialization, encode, specialize
-from onecopy.delegate.manifest import Manifest, parse_manifest
+from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
 from onecopy.delegate.shared_models import shared_models
-from onecopy.errors import DelegateError, InvalidArgument
+from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
 from onecopy.runtime.backend import Backend, DelegateHandle
 from onecopy.runtime.copy_stats import CopyStats
@@ -35,6 +35,23 @@ def _named(named_data: NamedData, key: str, what: str, where: str) -> memoryview
         return named_data[key]
     except KeyError:
         raise DelegateError(f"{where}: {what} '{key}' is missing from the program's named data. Re-export it.") from None
+
+
+def _code(context: InitContext, key: str, what: str) -> memoryview:
+    """`_named`, for bytes the engine will run or compile: checked against their sha256 first. Loading a program
+    hashes nothing (its weights are hundreds of MB), but damaged code can crash IREE's loader (a segfault, seen
+    with three flipped bytes of a vmfb), and code is small: a bundle costs ~0.1 ms per 100 KB, once per load."""
+    where, named_data = context.where, context.named_data
+    view = _named(named_data, key, what, where)
+    try:
+        named_data.verify(key)
+    except ProgramFormatError:
+        source = context.program_path or "<bytes>"
+        raise ProgramFormatError(
+            f"{where}: {what} '{key}' does not match its recorded sha256: the program file '{source}' is damaged; "
+            "re-copy or re-export it (`onecopy verify FILE` lists every problem)."
+        ) from None
+    return view
 
 
 class IreeDelegate(DelegateHandle):
@@ -57,7 +74,15 @@ class IreeDelegate(DelegateHandle):
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
-        return function(inputs, outputs, stats)
+        try:
+            return function(inputs, outputs, stats)
+        except (ValueError, IndexError) as e:
+            # IREE raises these (not RuntimeError) for a call its function refuses (argument count, rank or
+            # size) or results it has not: what a header that disagrees with the code it describes leads to.
+            raise ExecutionError(
+                f"{self.where}: the engine refused the call of '{self.function}': {e}. The program's header does "
+                "not match its code (damaged or edited?); `onecopy verify FILE` checks it, re-export it."
+            ) from e
 
     def prepare(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
@@ -163,6 +188,13 @@ class IreeBackend(Backend):
 
         return [Surface.open(name) for name in names]
 
+    def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:
+        try:
+            parsed = parse_manifest(manifest, where)
+        except DelegateError as e:
+            return [str(e)]
+        return [f"{where}: {problem}" for problem in missing_named_data(parsed, named_data)]
+
     def init(self, context: InitContext, manifest: Mapping[str, Any]) -> IreeDelegate:
         where = context.where
         parsed = parse_manifest(manifest, where)
@@ -253,17 +285,29 @@ class IreeBackend(Backend):
         # encoder; the module runs in place from the program file).
         produce: Callable[[Path | None], Specialization] | None
         if manifest.packaging == "vmfb":
-            code: bytes | memoryview | None = _named(context.named_data, manifest.bundle[target.name], "bundle", where)
+            code: bytes | memoryview | None = _code(context, manifest.bundle[target.name], "bundle")
             encoder_key = manifest.encoders.get(target.name)
             if encoder_key is None:  # nothing packed ahead of time (older program, non-CPU target, no data tiling)
                 produce = None
             else:
+<<<<<<< HEAD
                 encoder = _named(context.named_data, encoder_key, f"parameter encoder for {target.name}", where)
                 produce = lambda scratch: encode(encoder, parameters, target, where)
         else:
             code = None  # the specialized module
             source = _named(context.named_data, manifest.bundle["portable"], "bundle", where)
             produce = lambda scratch: specialize(source, parameters, target, where, scratch)
+=======
+                encoder_what = f"parameter encoder for {target.name}"
+                _named(context.named_data, encoder_key, encoder_what, where)
+                # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
+                produce = lambda: encode(_code(context, encoder_key, encoder_what), parameters, target, where)
+        else:
+            code = None  # the specialized module
+            source_key = manifest.bundle["portable"]
+            _named(context.named_data, source_key, "bundle", where)
+            produce = lambda: specialize(_code(context, source_key, "bundle"), parameters, target, where)
+>>>>>>> wip-load
         state = "restored"
         if produce is not None:
             if resolved.cache is None:

@@ -19,14 +19,15 @@ older program) packs nothing ahead of time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 
 from onecopy.errors import DelegateError
 
-__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "parse_manifest"]
+__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "parse_manifest",
+           "missing_named_data"]
 
 MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
@@ -83,3 +84,13 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
             f"(it has {', '.join(sorted(manifest.bundle))}). Re-export the program."
         )
     return manifest
+
+
+def missing_named_data(manifest: Manifest, keys: Collection[str]) -> list[str]:
+    """The manifest's references to named data (bundles, parameters, encoders) that `keys` lacks, one sentence
+    each: what a load would fail on only once it reached that key."""
+    wanted = [(f"bundle '{target}'", key) for target, key in manifest.bundle.items()]
+    wanted += [(f"parameter '{name}'", key) for name, key in manifest.parameters.items()]
+    wanted += [(f"parameter encoder for {target}", key) for target, key in manifest.encoders.items()]
+    return [f"{what} names named data '{key}', which the program does not hold" for what, key in wanted
+            if key not in keys]

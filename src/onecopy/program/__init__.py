@@ -1,7 +1,7 @@
 """The program file format: preamble, typed schema, named data store. Imports neither torch nor IREE."""
 
 from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
-from onecopy.program.file import FORMAT_VERSION, MAGIC, LoadedProgramFile, ProgramFile, read_program
+from onecopy.program.file import FORMAT_VERSION, MAGIC, LoadedProgramFile, ProgramFile, check_program, read_program
 from onecopy.program.schema import (
     ConstArg,
     ConstantDef,
@@ -15,6 +15,7 @@ from onecopy.program.schema import (
     TensorSpec,
     ValueArg,
 )
+from onecopy.program.validate import Problem
 
 __all__ = [
     "PAGE_SIZE",
@@ -25,6 +26,8 @@ __all__ = [
     "ProgramFile",
     "LoadedProgramFile",
     "read_program",
+    "check_program",
+    "Problem",
     "ConstArg",
     "ConstantDef",
     "DelegateCall",

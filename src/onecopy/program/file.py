@@ -22,8 +22,9 @@ import msgspec
 from onecopy.errors import InvalidArgument, ProgramFormatError
 from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
 from onecopy.program.schema import ProgramDef, SegmentDef
+from onecopy.program.validate import Problem, hash_problems, structure_problems
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "ProgramFile", "LoadedProgramFile", "read_program"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "ProgramFile", "LoadedProgramFile", "read_program", "check_program"]
 
 MAGIC = b"\x89ONECPY\n"
 FORMAT_VERSION = 1
@@ -132,42 +133,108 @@ class LoadedProgramFile:
                 pass
 
 
-def read_program(source: Union[str, os.PathLike[str], bytes, bytearray, memoryview]) -> LoadedProgramFile:
-    """Parse a program from a path (memory-mapped, read-only) or from bytes (used in place, not copied)."""
-    mapped: mmap.mmap | None = None
-    path: Path | None = None
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        buffer = memoryview(source).cast("B")
-        where = "<bytes>"
-    elif isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        where = str(path)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    raise ProgramFormatError(f"Program file '{where}' is empty; re-export it.")
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            raise InvalidArgument(f"Program file '{where}' does not exist.") from None
-        except IsADirectoryError:
-            raise InvalidArgument(f"Program path '{where}' is a directory, not a program file.") from None
-        except PermissionError as e:
-            raise InvalidArgument(f"Program file '{where}' cannot be read: {e.strerror}.") from e
-        buffer = memoryview(mapped)
-    else:
-        raise InvalidArgument(f"A program is loaded from a path or bytes, got {type(source).__name__}.")
+Source = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview]
+
+
+def read_program(source: Source) -> LoadedProgramFile:
+    """Parse a program from a path (memory-mapped, read-only) or from bytes (used in place, not copied).
+
+    The whole header is checked against itself and the file's size (`onecopy.program.validate`): a damaged,
+    truncated or foreign file raises `ProgramFormatError` naming the file and the first problem; segment bytes
+    are not hashed (`check_program` does, for `onecopy verify`)."""
+    buffer, mapped, path, where = _open(source)
     try:
-        definition, named_data = _parse(buffer, where)
+        definition, header_end, data_offset = _parse_header(buffer, where)
+        problems = structure_problems(definition, file_size=buffer.nbytes, header_end=header_end,
+                                      data_offset=data_offset, page_size=PAGE_SIZE)
+        if problems:
+            others = len(problems) - 1
+            more = f" (and {others} more problem{'s' if others > 1 else ''})" if others else ""
+            raise ProgramFormatError(
+                f"Program '{where}' is damaged or was not written by onecopy: {problems[0]}{more}. Re-export or "
+                f"re-copy the program; {_verify_hint(path)} lists every problem."
+            )
+        named_data = _named_data(buffer, definition, data_offset)
     except BaseException:
-        buffer.release()
-        if mapped is not None:
-            mapped.close()
+        _release(buffer, mapped)
         raise
     return LoadedProgramFile(definition, named_data, where, path, buffer, mapped)
 
 
-def _parse(buffer: memoryview, where: str) -> tuple[ProgramDef, NamedData]:
+def _verify_hint(path: Path | None) -> str:
+    return f"`onecopy verify {path}`" if path is not None else "onecopy.runtime.verify_program(data)"
+
+
+def check_program(source: Source) -> tuple[LoadedProgramFile | None, list[Problem]]:
+    """Every structural problem of a program and, when its segments lie within the file, the program (views of
+    the segments that can be read) with each segment's bytes checked against its sha256.
+
+    Never raises for what the file holds; a path that cannot be opened (missing, a directory, no permission)
+    is `InvalidArgument`. The caller closes the program it gets."""
+    try:
+        buffer, mapped, path, where = _open(source)
+    except ProgramFormatError as e:  # empty
+        return None, [Problem("file", str(e))]
+    try:
+        try:
+            definition, header_end, data_offset = _parse_header(buffer, where)
+        except ProgramFormatError as e:
+            _release(buffer, mapped)
+            return None, [Problem("header", str(e))]
+        problems = structure_problems(definition, file_size=buffer.nbytes, header_end=header_end,
+                                      data_offset=data_offset, page_size=PAGE_SIZE)
+        named_data = _named_data(buffer, definition, data_offset, skip_outside=True)
+        problems.extend(hash_problems(definition.segments, named_data))
+    except BaseException:
+        _release(buffer, mapped)
+        raise
+    return LoadedProgramFile(definition, named_data, where, path, buffer, mapped), problems
+
+
+def _open(source: Source) -> tuple[memoryview, mmap.mmap | None, Path | None, str]:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        try:
+            buffer = memoryview(source).cast("B")
+        except TypeError as e:
+            raise InvalidArgument(f"A program given as bytes must be one contiguous buffer: {e}.") from e
+        return buffer, None, None, "<bytes>"
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidArgument(f"A program is loaded from a path or bytes, got {type(source).__name__}.")
+    path = Path(source)
+    where = str(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise ProgramFormatError(f"Program file '{where}' is empty; re-export it.")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise InvalidArgument(f"Program file '{where}' does not exist.") from None
+    except IsADirectoryError:
+        raise InvalidArgument(f"Program path '{where}' is a directory, not a program file.") from None
+    except PermissionError as e:
+        raise InvalidArgument(f"Program file '{where}' cannot be read: {e.strerror}.") from e
+    except (OSError, ValueError) as e:  # a FIFO, a device, a file mmap refuses
+        raise InvalidArgument(f"Program file '{where}' cannot be mapped: {e}. Give a regular file.") from e
+    return memoryview(mapped), mapped, path, where
+
+
+def _release(buffer: memoryview, mapped: mmap.mmap | None) -> None:
+    """Drop the buffer after a failed parse without hiding the failure: a view still referenced (by a traceback,
+    say) keeps the mapping alive until it goes, which is safe; raising BufferError over the real error is not."""
+    try:
+        buffer.release()
+    except BufferError:
+        pass
+    if mapped is not None:
+        try:
+            mapped.close()
+        except BufferError:
+            pass
+
+
+def _parse_header(buffer: memoryview, where: str) -> tuple[ProgramDef, int, int]:
+    """The header's definition, where the header ends and where the data starts (checked by the caller)."""
     size = buffer.nbytes
     if size < _PREAMBLE.size:
         if bytes(buffer[: len(MAGIC)]) != MAGIC[: min(size, len(MAGIC))]:
@@ -189,25 +256,28 @@ def _parse(buffer: memoryview, where: str) -> tuple[ProgramDef, NamedData]:
             f"Program '{where}' is truncated: its header needs {header_end} bytes, the file has {size}."
         )
     try:
-        definition = msgspec.json.decode(buffer[_PREAMBLE.size : header_end], type=ProgramDef)
+        with buffer[_PREAMBLE.size : header_end] as header:
+            definition = msgspec.json.decode(header, type=ProgramDef)
     except msgspec.ValidationError as e:
         raise ProgramFormatError(f"Program '{where}' violates the schema: {e}. Re-export the program.") from e
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:
         raise ProgramFormatError(f"Program '{where}' has a corrupted header: {e}. Re-export the program.") from e
+    return definition, header_end, data_offset
+
+
+def _named_data(buffer: memoryview, definition: ProgramDef, data_offset: int, *,
+                skip_outside: bool = False) -> NamedData:
+    """Views of the segments: checked to lie within the buffer already, or (`skip_outside`) left out if not."""
+    size = buffer.nbytes
     views: dict[str, memoryview] = {}
     offsets: dict[str, tuple[int, int]] = {}
     digests: dict[str, str] = {}
     for segment in definition.segments:
         start = data_offset + segment.offset
         end = start + segment.length
-        if segment.offset < 0 or segment.length < 0 or data_offset < header_end:
-            raise ProgramFormatError(f"Program '{where}' has an invalid segment '{segment.key}'. Re-export it.")
-        if end > size:
-            raise ProgramFormatError(
-                f"Program '{where}' is truncated: named data '{segment.key}' ends at byte {end}, "
-                f"the file has {size}. Re-export or re-copy the program."
-            )
+        if skip_outside and not (data_offset <= start <= end <= size):
+            continue
         views[segment.key] = buffer[start:end]
         offsets[segment.key] = (start, segment.length)
         digests[segment.key] = segment.sha256
-    return definition, NamedData(views, offsets, digests)
+    return NamedData(views, offsets, digests)

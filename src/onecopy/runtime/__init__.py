@@ -7,11 +7,12 @@ from onecopy.runtime.host_kernels import get_host_kernel, has_host_kernel, regis
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import DelegateMeta, MethodMeta, TensorMeta
-from onecopy.runtime.program import Program, Runtime
+from onecopy.runtime.program import Program, Runtime, verify_program
 
 __all__ = [
     "Runtime",
     "Program",
+    "verify_program",
     "Method",
     "CopyStats",
     "MethodMeta",

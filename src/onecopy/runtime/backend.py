@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import importlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -108,6 +108,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def init(self, context: "InitContext", manifest: Mapping[str, Any]) -> DelegateHandle:
         """Validate `manifest` and load what it points at. Raise `DelegateError`/`InvalidArgument` on bad input."""
+
+    def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:
+        """Problems with `manifest` found without loading anything (`Program.verify`, `onecopy verify`): its
+        schema, and the keys of `named_data` it names. One sentence each, naming `where`; empty when clean. This
+        default finds none."""
+        return []
 
 
 _BUILTIN: dict[str, str] = {"IreeBackend": "onecopy.delegate.backend:IreeBackend"}

@@ -9,17 +9,46 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from onecopy.errors import InvalidArgument
-from onecopy.program import DelegateCall, LoadedProgramFile, read_program
+from onecopy.errors import DelegateError, InvalidArgument, OnecopyError, ProgramFormatError
+from onecopy.program import DelegateCall, LoadedProgramFile, Problem, check_program, read_program
+from onecopy.program.validate import hash_problems
 from onecopy.runtime.backend import DelegateHandle, get_backend
 from onecopy.runtime.backend_options import BackendOptions, parse_backend_options
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import MethodMeta
 
-__all__ = ["Runtime", "Program"]
+__all__ = ["Runtime", "Program", "verify_program"]
 
 log = logging.getLogger("onecopy")
+
+
+def verify_program(program: str | os.PathLike[str] | bytes | bytearray | memoryview) -> list[Problem]:
+    """Check a program file whole, without running it (`onecopy verify`): its header's structure, every segment
+    against its sha256, every delegate's manifest against its backend's schema (nothing is loaded) and the named
+    data each names. One `Problem` per thing wrong; empty when the file is whole. A path that cannot be opened
+    raises `InvalidArgument`."""
+    loaded, problems = check_program(program)
+    if loaded is None:
+        return problems
+    try:
+        problems.extend(_manifest_problems(loaded))
+    finally:
+        loaded.close()
+    return problems
+
+
+def _manifest_problems(loaded: LoadedProgramFile) -> list[Problem]:
+    problems = []
+    keys = {s.key for s in loaded.definition.segments}
+    for index, delegate in enumerate(loaded.definition.delegates):
+        where = f"delegate {index} ({delegate.backend})"
+        try:
+            found = get_backend(delegate.backend).verify_manifest(delegate.manifest, keys, where)
+        except OnecopyError as e:  # no such backend
+            found = [str(e)]
+        problems.extend(Problem(where, text.removeprefix(f"{where}: ")) for text in found)
+    return problems
 
 
 class Runtime:
@@ -95,8 +124,25 @@ class Program:
                     cache_dir=self._runtime.cache_dir,
                     _method_meta=lambda: meta,
                 )
-                handles[ins.delegate] = backend.init(context, delegate.manifest)
-            method = Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
+                try:
+                    handles[ins.delegate] = backend.init(context, delegate.manifest)
+                except OnecopyError:
+                    raise
+                except Exception as e:
+                    # A backend meets the bytes of a bundle first: a damaged one fails in its engine's terms.
+                    raise DelegateError(
+                        f"{context.where} (backend {delegate.backend}) failed to load: {type(e).__name__}: {e}. "
+                        f"The program may be damaged; {self._verify_hint()} checks it."
+                    ) from e
+            try:
+                method = Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
+            except OnecopyError:
+                raise
+            except Exception as e:
+                raise ProgramFormatError(
+                    f"Program '{self._file.source}', method '{name}' cannot be loaded: {type(e).__name__}: {e}. "
+                    f"{self._verify_hint()} checks the program."
+                ) from e
         except BaseException:
             for handle in handles.values():
                 handle.destroy()
@@ -104,6 +150,20 @@ class Program:
         with self._lock:
             self._handles.extend(handles.values())
         return method
+
+    def verify(self) -> list[Problem]:
+        """Check the whole program without running it: each segment's bytes against its sha256 (loading hashes
+        none: programs are hundreds of MB), each delegate's manifest against its backend's schema, and the named
+        data each names. The header's structure was checked at load. One `Problem` per thing wrong; empty when
+        the program is whole."""
+        if self._closed.is_set():
+            raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
+        named_data = self._file.named_data
+        return hash_problems(self._file.definition.segments, named_data) + _manifest_problems(self._file)
+
+    def _verify_hint(self) -> str:
+        path = self._file.path
+        return f"`onecopy verify {path}`" if path is not None else "Program.verify()"
 
     def close(self) -> None:
         """Destroy every delegate, then unmap the program. Methods of a closed program refuse to run."""
