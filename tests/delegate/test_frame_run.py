@@ -97,13 +97,14 @@ def test_a_run_logs_its_stats_only_when_debug_is_on(two):
     assert engine.records == [(engine.stats, True)]
 
 
-def test_an_engine_failure_is_raised_from_as_the_engines_error_with_context_and_locks_given_back(two):
+@pytest.mark.parametrize("kind", [RuntimeError, ValueError])  # a failed run; a call IREE refused
+def test_an_engine_failure_is_raised_from_as_the_engines_error_with_context_and_locks_given_back(two, kind):
     src, dst = two
-    engine = Engine(two, Context(error=RuntimeError("bad dispatch")))
+    engine = Engine(two, Context(error=kind("bad dispatch")))
     context = engine.pool[0]
     with pytest.raises(KeyError, match="engine failed: bad dispatch") as caught:
         engine.run()()
-    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value.__cause__, kind)
     assert engine.pool == [context] and held(src) is None and held(dst) is None
     assert not hasattr(engine.local, "stats")
 

@@ -42,7 +42,7 @@ typedef struct {
     PyObject *arguments;     /* VmVariantList of the surfaces' buffer views */
     PyObject *result_list;   /* VmVariantList, the type */
     PyObject *result_count;  /* int */
-    PyObject *engine_error;  /* (RuntimeError) -> the exception to raise from it */
+    PyObject *engine_error;  /* (RuntimeError | ValueError) -> the exception to raise from it */
     /* The surfaces' locks */
     PyObject *cores;         /* tuple of LockCore, in name order */
     PyObject *modes;         /* tuple of bool, True: read lock */
@@ -123,9 +123,10 @@ static void supersede(PyObject **type, PyObject **value, PyObject **traceback) {
     *type = t, *value = v, *traceback = tb;
 }
 
-/* `raise engine_error(e) from e` for the pending RuntimeError `e` of the engine call; any other exception stays. */
+/* `raise engine_error(e) from e` for the pending RuntimeError (a failed run) or ValueError (a refused call) `e` of
+ * the engine call; any other exception stays. */
 static void raise_engine_error(FrameRun *self) {
-    if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) return;
+    if (!PyErr_ExceptionMatches(PyExc_RuntimeError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return;
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyErr_NormalizeException(&type, &value, &traceback);

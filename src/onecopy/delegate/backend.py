@@ -290,24 +290,15 @@ class IreeBackend(Backend):
             if encoder_key is None:  # nothing packed ahead of time (older program, non-CPU target, no data tiling)
                 produce = None
             else:
-<<<<<<< HEAD
-                encoder = _named(context.named_data, encoder_key, f"parameter encoder for {target.name}", where)
-                produce = lambda scratch: encode(encoder, parameters, target, where)
-        else:
-            code = None  # the specialized module
-            source = _named(context.named_data, manifest.bundle["portable"], "bundle", where)
-            produce = lambda scratch: specialize(source, parameters, target, where, scratch)
-=======
                 encoder_what = f"parameter encoder for {target.name}"
                 _named(context.named_data, encoder_key, encoder_what, where)
                 # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
-                produce = lambda: encode(_code(context, encoder_key, encoder_what), parameters, target, where)
+                produce = lambda scratch: encode(_code(context, encoder_key, encoder_what), parameters, target, where)
         else:
             code = None  # the specialized module
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
-            produce = lambda: specialize(_code(context, source_key, "bundle"), parameters, target, where)
->>>>>>> wip-load
+            produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch)
         state = "restored"
         if produce is not None:
             if resolved.cache is None:

@@ -350,7 +350,7 @@ class EngineFunction:
             context = checkout()
             try:
                 context.invoke(vm_function, args, results)
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
                 raise engine_error(e) from e
             finally:
                 checkin(context)
@@ -392,8 +392,9 @@ class EngineFunction:
     def vm_function(self) -> Any:
         return self._vm_function
 
-    def engine_error(self, e: RuntimeError) -> ExecutionError:
-        """The error to raise when IREE failed running this function."""
+    def engine_error(self, e: Exception) -> ExecutionError:
+        """The error to raise when IREE failed running this function (RuntimeError), or refused the call
+        (ValueError: arguments the function does not take, what a damaged or edited program leads to)."""
         hint = ""
         if "local memory" in str(e):  # a dispatch wants more than TASK_WORKER_LOCAL_MEMORY per worker
             hint = (" Give IREE's workers more local memory: set IREE_PY_RUNTIME_FLAGS="

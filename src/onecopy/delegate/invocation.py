@@ -63,7 +63,7 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
     context = model.checkout()
     try:
         context.invoke(function.vm_function, args, results)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
         raise function.engine_error(e) from e
     finally:
         model.checkin(context)
@@ -228,7 +228,7 @@ class Invocation:
                 if taken < len(cores):
                     taken = self._take_rest(taken)
             context.invoke(self._vm_function, args, results)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
             raise function.engine_error(e) from e
         finally:
             model.checkin(context)
