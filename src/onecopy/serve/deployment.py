@@ -93,6 +93,11 @@ class OnecopyReplica:
             raise InvalidArgument(f"handle.remote({method!r}) needs the inputs too: handle.remote(method, [x, ...]).")
         return await self._run(method, inputs, new_session)
 
+    def describe(self) -> dict[str, Any]:
+        """`handle.describe.remote()`: what `GET /` answers (methods, their method_meta, this replica's pid and
+        request counts)."""
+        return self._server.describe()
+
     async def _run(self, name: str, inputs: Sequence[Any], new_session: bool) -> list:
         server = self._server
         server.method(name)  # an unknown method fails here, before anything is queued

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,15 @@ class ProgramServer:
         except BaseException:
             self.program.close()
             raise
+        # Requests answered and engine calls made per method (GET / shows them: batching joins requests).
+        self._counts = {name: [0, 0] for name in self.methods}
+        self._counts_lock = threading.Lock()
+
+    def _count(self, name: str, requests: int, calls: int) -> None:
+        with self._counts_lock:
+            counts = self._counts[name]
+            counts[0] += requests
+            counts[1] += calls
 
     def _symbols(self, name: str) -> Mapping[str, Sequence[int | None]]:
         definition = next(m for m in self.program.definition.methods if m.name == name)
@@ -201,6 +211,7 @@ class ProgramServer:
             "methods": {
                 name: describe_method(m.method_meta, batched=name in self.config.batched, why_not=self.config.not_batched.get(name),
                                       stateful=self._stateful[name])
+                | {"requests": self._counts[name][0], "calls": self._counts[name][1]}
                 for name, m in self.methods.items()
             },
         }
@@ -209,6 +220,7 @@ class ProgramServer:
                 new_session: bool = False) -> list[np.ndarray]:
         """Run one request. A stateful method runs on the session's State; other methods ignore `session`."""
         method = self.method(name)
+        self._count(name, 1, 1)
         if not self._stateful[name]:
             return method.execute(inputs)
         if not session:
@@ -225,9 +237,11 @@ class ProgramServer:
         """Run requests of one batched method as few calls as their shapes allow; each gets what it would alone."""
         method = self.method(name)
         outcomes: list[Outcome] = [Outcome() for _ in batch]
+        self._count(name, len(batch), 0)
         for group in group_requests(batch, self._ranges[name]):
             if len(group.members) > 1:
                 try:
+                    self._count(name, 0, 1)
                     joined = method.execute(group.inputs(batch))
                 except OnecopyError:
                     pass  # one of them is wrong: run each alone, so that only it fails
@@ -236,6 +250,7 @@ class ProgramServer:
                         outcomes[member].value = outputs
                     continue
             for member in group.members:
+                self._count(name, 0, 1)
                 try:
                     outcomes[member].value = method.execute(batch[member])
                 except Exception as e:
