@@ -273,3 +273,12 @@ def test_a_stateful_method_runs_on_its_session_state(tiny_program_path, monkeypa
         assert server.execute("single", [x], session="s")[0].shape == (1, 8)  # stateless: the session is ignored
     finally:
         server.close()
+
+
+def test_the_serve_command_checks_the_program_before_starting_ray(tmp_path, capsys):
+    from onecopy.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "m.onecopy", "--replicas", "2", "--port", "8123"])
+    assert (args.replicas, args.port, args.host) == (2, 8123, "127.0.0.1")
+    assert main(["serve", str(tmp_path / "missing.onecopy")]) == 2
+    assert "onecopy serve: error:" in capsys.readouterr().err
