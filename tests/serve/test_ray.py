@@ -25,8 +25,7 @@ from onecopy.runtime import Runtime  # noqa: E402
 from onecopy.serve import deployment  # noqa: E402
 
 pytestmark = [
-    # Ray's own modules warn about their own code (deprecations, unclosed sockets at shutdown): not ours to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    # Ray leaves sockets of its own to the collector at shutdown: not ours to fix.
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
 ]

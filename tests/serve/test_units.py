@@ -282,3 +282,11 @@ def test_the_serve_command_checks_the_program_before_starting_ray(tmp_path, caps
     assert (args.replicas, args.port, args.host) == (2, 8123, "127.0.0.1")
     assert main(["serve", str(tmp_path / "missing.onecopy")]) == 2
     assert "onecopy serve: error:" in capsys.readouterr().err
+
+
+def test_deployment_stays_a_function_after_its_module_is_imported():
+    pytest.importorskip("ray", reason="Ray Serve is not installed; pip install 'onecopy[serve]' to run this")
+    import onecopy.serve
+    import onecopy.serve.replica  # noqa: F401
+
+    assert callable(onecopy.serve.deployment)

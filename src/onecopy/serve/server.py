@@ -1,7 +1,7 @@
 """What one replica does, without Ray: load a program once, run its methods for calls and HTTP requests, keep a
 State per session for stateful methods, and turn every error into an answer a client can act on.
 
-`deployment.py` wraps a `ProgramServer` in a Ray Serve deployment; tests drive one directly.
+`replica.py` wraps a `ProgramServer` in a Ray Serve deployment; tests drive one directly.
 """
 
 from __future__ import annotations
