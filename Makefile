@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard src/onecopy/*/*.c src/onecopy/*/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot,serve]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -212,6 +212,30 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a program on a local Ray (or the cluster at $RAY_ADDRESS) until interrupted."""
+    from onecopy.serve import deployment
+
+    app = deployment(args.file, replicas=args.replicas, max_batch_size=args.max_batch_size,
+                     max_request_bytes=args.max_request_bytes)  # checks the program before Ray starts
+    import ray
+    from ray import serve
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)  # None: start a local Ray
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="onecopy", route_prefix="/")
+        print(f"serving {args.file} with {args.replicas} replica(s) at http://{args.host}:{args.port}/ "
+              "(GET / lists the methods, POST /<method> runs one; Ctrl-C stops)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onecopy", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log delegate loads (specialized/restored, times)")
@@ -262,6 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("path", "ls", "verify", "clear"))
     p.add_argument("--cache-dir", help="cache directory (default: $ONECOPY_CACHE_DIR or the user cache dir)")
     p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("serve", help="serve a program over HTTP from Ray Serve replicas (needs onecopy[serve])")
+    p.add_argument("file")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--max-batch-size", type=int, help="batch concurrent requests to methods with a dynamic first dim")
+    p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

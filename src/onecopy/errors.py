@@ -15,6 +15,9 @@ __all__ = [
     "UnsupportedOperator",
     "DelegateError",
     "ExecutionError",
+    "RequestError",
+    "RequestTooLarge",
+    "SessionNotFound",
 ]
 
 
@@ -44,6 +47,18 @@ class DelegateError(OnecopyError):
 
 class ExecutionError(OnecopyError):
     """A method was called with inputs or outputs it cannot take."""
+
+
+class RequestError(InvalidArgument):
+    """A request to a served program is malformed: its payload, content type or route (onecopy.serve)."""
+
+
+class RequestTooLarge(RequestError):
+    """A request to a served program is over the deployment's size limit (onecopy.serve)."""
+
+
+class SessionNotFound(ExecutionError):
+    """A call to a stateful method named a session that this replica does not hold (onecopy.serve)."""
 
 
 # The name issue #16 gives a damaged or foreign program file's error: the same class.
