@@ -1,4 +1,4 @@
-"""onecopy demo | export | inspect | verify | run | bench | cache"""
+"""onecopy demo | export | inspect | verify | run | bench | cache | serve"""
 
 from __future__ import annotations
 
