@@ -17,6 +17,7 @@ end, on an error and on Ctrl-C; its child processes are killed with it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -44,11 +45,12 @@ class DemoConfig:
     ks: tuple[int, ...] = (1, 2, 4, 8)  # loads per process in the memory sweep
     warm_loads: int = 3  # fresh processes per warm figure (median)
     latency_rounds: int = 12
+    latency_block_s: float = 0.05  # timed calls of one peer in a round
     frame_rounds: int = 12
 
 
 FULL = DemoConfig()
-QUICK = DemoConfig(ks=(1, 2), warm_loads=1, latency_rounds=3, frame_rounds=3)  # every measurement, fewer times
+QUICK = DemoConfig(ks=(1, 2), warm_loads=1, latency_rounds=3, latency_block_s=0.015, frame_rounds=3)  # every measurement, fewer times
 
 
 # -- fresh processes --------------------------------------------------------------------------------------------
@@ -170,8 +172,9 @@ def _onnxruntime_missing() -> str | None:
     return f"not installed: {', '.join(missing)}" if missing else None
 
 
-def _export_onnx(model, example, path: Path) -> Path:
-    """The model as ONNX, the way benchmarks/ export it: torch.onnx's dynamo exporter (static shapes), the
+def _export_onnx(model, example, path: Path, exported=None) -> Path:
+    """The model as ONNX, the way benchmarks/ export it: torch.onnx's dynamo exporter (static shapes; from the
+    torch.export program onecopy was given, when there is one, rather than tracing the model again), the
     TorchScript exporter if that fails."""
     import io
     import logging
@@ -183,8 +186,8 @@ def _export_onnx(model, example, path: Path) -> Path:
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
-            torch.onnx.export(model, (example,), str(path), dynamo=True, verbose=False, input_names=["x"],
-                              output_names=["y"])
+            torch.onnx.export(exported if exported is not None else model, () if exported is not None else (example,),
+                              str(path), dynamo=True, verbose=False, input_names=["x"], output_names=["y"])
         except Exception:  # noqa: BLE001  (any failure of one exporter: try the other)
             torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
                               opset_version=17)
@@ -241,6 +244,19 @@ def _machine() -> dict[str, Any]:
             versions[package] = None
     return {"cpu_model": model, "cores": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "machine": platform.machine(), "python": platform.python_version(), "versions": versions}
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -359,7 +375,13 @@ def _measure_latency(paths: dict[str, Path], cache_dir: Path, model, config: Dem
                 if engine in peers:
                     got = np.asarray(peers[engine]()[0])
                     accuracy[engine] = max(accuracy.get(engine, 0.0), float(np.abs(got - expected).max()))
-            timings = interleaved(peers, rounds=config.latency_rounds, inner=10)
+            start = time.perf_counter()
+            for fn in peers.values():
+                fn()
+            # about 50 ms (quick: 15) per peer per round, at least 2 calls: B=16 takes many times B=1
+            each = (time.perf_counter() - start) / len(peers)
+            inner = max(2, min(10, int(config.latency_block_s / max(each, 1e-6))))
+            timings = interleaved(peers, rounds=config.latency_rounds, inner=inner)
             latency[f"B={batch}"] = {
                 "method": name,
                 "ms": {engine: t.median_ms for engine, t in timings.items()},
@@ -453,8 +475,6 @@ def _median(values: list[float]) -> float:
 
 def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=None) -> dict[str, Any]:
     """Run every measurement and return the figures (what `--json` prints)."""
-    import torch
-
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -471,13 +491,19 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         "machine": _machine(),
         "model": f"8 x Linear({WIDTH}, {WIDTH}) + ReLU, fp32; methods "
                  + ", ".join(f"{n} [{b}, {WIDTH}]" for n, b in METHOD_BATCH.items()),
-        "config": {"ks": list(config.ks), "warm_loads": config.warm_loads,
-                   "latency_rounds": config.latency_rounds, "frame_rounds": config.frame_rounds},
+        "config": dataclasses.asdict(config),
         "onnxruntime": "measured" if ort_ok else missing,
     }
     with contextlib.ExitStack() as stack:
         stack.enter_context(_terminated_as_interrupt())
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="onecopy-demo-")))
+        # Files the engines leave in the temporary directory (ONNX Runtime a telemetry session file on import, torch
+        # its compile caches) go into ours, in this process and its children.
+        (tmp / "tmp").mkdir()
+        stack.enter_context(_environ("TMPDIR", str(tmp / "tmp")))
+        stack.enter_context(_environ("TORCHINDUCTOR_CACHE_DIR", str(tmp / "torch")))
+        import torch
+
         out = workdir or tmp
         out.mkdir(parents=True, exist_ok=True)
         cache_dir = tmp / "cache"  # the demo's own cache: cold means cold, and the user's cache is left alone
@@ -488,12 +514,14 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         steps.start("exporting the built-in model and two frame models")
         model = builtin_model()
         paths: dict[str, Path] = {}
-        paths["onecopy"] = export_program(builtin_methods(model), partitioner=Partitioner(multifunction=True),
+        exported = builtin_methods(model)
+        paths["onecopy"] = export_program(exported, partitioner=Partitioner(multifunction=True),
                                           compile_spec=CompileSpec(packaging="mlir")).save(out / "builtin.onecopy")
         frame_models = _frame_models()
         for name, frame_model in frame_models.items():
-            ep = torch.export.export(frame_model, (torch.zeros(FRAME, dtype=torch.float16),))
-            paths[name] = export_program({"forward": ep}, memory_planned_outputs=False).save(out / f"{name}.onecopy")
+            exported[name] = torch.export.export(frame_model, (torch.zeros(FRAME, dtype=torch.float16),))
+            paths[name] = export_program({"forward": exported[name]},
+                                         memory_planned_outputs=False).save(out / f"{name}.onecopy")
         loaded = read_program(paths["onecopy"])
         try:
             summary = summarize(loaded, paths["onecopy"].stat().st_size)
@@ -508,10 +536,11 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
             onnx_dir = out / "onnx"
             onnx_dir.mkdir(exist_ok=True)
             for name, batch in METHOD_BATCH.items():
-                paths[f"onnx_{name}"] = _export_onnx(model, torch.zeros(batch, WIDTH), onnx_dir / f"{name}.onnx")
+                paths[f"onnx_{name}"] = _export_onnx(model, torch.zeros(batch, WIDTH), onnx_dir / f"{name}.onnx",
+                                                     exported[name])
             for name, frame_model in frame_models.items():
                 paths[f"onnx_{name}"] = _export_onnx(frame_model, torch.zeros(FRAME, dtype=torch.float16),
-                                                     onnx_dir / f"{name}.onnx")
+                                                     onnx_dir / f"{name}.onnx", exported[name])
             paths["onnx_tiny"] = _tiny_onnx(onnx_dir / "tiny.onnx")
             per_method = {name: _onnx_bytes(paths[f"onnx_{name}"]) for name in METHOD_BATCH}
             figures["size_bytes"]["onnxruntime"] = {**per_method, "total": sum(per_method.values())}
@@ -530,6 +559,8 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         if workdir:
             figures["workdir"] = str(out)
     figures["duration_s"] = time.perf_counter() - started
+    # Other processes' work slows every figure here (the ratios less): a load average above the CPU count says so.
+    figures["load_average_at_end"] = list(os.getloadavg())
     return figures
 
 

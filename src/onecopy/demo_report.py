@@ -118,7 +118,8 @@ def print_table(f: dict[str, Any], console) -> None:
         console.print(note, style="dim", highlight=False)
     console.print(f"{machine['cpu_model']}, {machine['usable_cpus']} of {machine['cores']} CPUs; "
                   + ", ".join(f"{p} {v}" for p, v in machine["versions"].items() if v)
-                  + f"; the demo took {f['duration_s']:.0f} s", style="dim", highlight=False)
+                  + f"; the demo took {f['duration_s']:.0f} s, load average {f['load_average_at_end'][0]:.1f} at its end",
+                  style="dim", highlight=False)
 
 
 def draw(f: dict[str, Any], path: Path) -> None:
