@@ -116,7 +116,7 @@ def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
     out = io.StringIO()
     print_table(figures, Console(file=out, width=140))
     assert "ONNX Runtime is not installed: onnxruntime" in out.getvalue()
-    assert "pip install" in out.getvalue() and "latency, forward B=1" in out.getvalue()
+    assert "'.[demo]'" in out.getvalue() and "latency, forward B=1" in out.getvalue()
 
 
 def _children(pid: int) -> list[int]:

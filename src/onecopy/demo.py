@@ -579,9 +579,10 @@ def run_demo(workdir: Path | None = None, plot: Path | None = None, *, as_json: 
     if plot is not None:
         try:
             draw(figures, plot)
-            console.print(f"picture written to {plot.resolve()}")
+            console.print(f"picture written to {plot.resolve()}", markup=False, highlight=False)
         except ImportError:
-            console.print(f"no picture: matplotlib is not installed ({PLOT_HINT})")
+            console.print(f"no picture: matplotlib is not installed. For the picture: {PLOT_HINT}.", markup=False,
+                          highlight=False)
     accurate = figures["max_abs_diff_vs_torch"].get("onecopy", 1.0) < 1e-4
     return 0 if accurate else 1
 

@@ -44,8 +44,9 @@ def _rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     rows.append(("import, fresh process", _ms(mine["import_ms"]), _ms(peer["import_ms"]) if peer else "", "",
                  _verdict(mine["import_ms"] / peer["import_ms"], "faster", "slower") if peer else ""))
     for label, key in (("first result, cold ¹", "cold_ms"), ("first result, warm ¹", "warm_ms")):
+        alone = f"{mine['cold_ms'] / mine['warm_ms']:.0f}x faster than cold" if key == "warm_ms" else ""
         rows.append((label, _ms(mine[key]), _ms(peer["first_result_ms"]) if peer else "", "",
-                     _verdict(mine[key] / peer["first_result_ms"], "faster", "slower") if peer else ""))
+                     _verdict(mine[key] / peer["first_result_ms"], "faster", "slower") if peer else alone))
     memory = f["memory_mib"]
     ort = memory.get("onnxruntime", {})
     for k in memory["onecopy_shared"]:
@@ -64,7 +65,7 @@ def _rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     for batch, lat in f["latency_ms"].items():
         ms, over = lat["ms"], lat["onecopy_over"]
         verdict = _verdict(over["onnxruntime"], "faster", "slower") if "onnxruntime" in over else ""
-        verdict += f"; {_verdict(over['torch'], 'faster', 'slower')} than torch"
+        verdict = "; ".join(v for v in (verdict, f"{_verdict(over['torch'], 'faster', 'slower')} than torch") if v)
         rows.append((f"latency, {lat['method']} {batch}", _ms(ms["onecopy"]),
                      _ms(ms["onnxruntime"]) if "onnxruntime" in ms else "", _ms(ms["torch"]), verdict.strip()))
     frames = f["frames"]
@@ -87,12 +88,15 @@ def print_table(f: dict[str, Any], console) -> None:
     machine = f["machine"]
     table = Table(title=f"onecopy beside ONNX Runtime and torch eager, measured now: {f['model']}",
                   title_justify="left", title_style="bold")
+    ort = f["onnxruntime"] == "measured"
     table.add_column("figure", no_wrap=True)
-    for name in ("onecopy", "ONNX Runtime", "torch eager"):
-        table.add_column(name, justify="right", no_wrap=name != "torch eager")
-    table.add_column("onecopy vs ONNX Runtime")
+    table.add_column("onecopy", justify="right")
+    if ort:
+        table.add_column("ONNX Runtime", justify="right", no_wrap=True)
+    table.add_column("torch eager", justify="right")
+    table.add_column("onecopy vs ONNX Runtime" if ort else "onecopy is")
     for row in _rows(f):
-        table.add_row(*row)
+        table.add_row(*(row if ort else row[:2] + row[3:]))
     console.print(table)
     memory = f["memory_mib"]
     last = list(memory["onecopy_shared"])[-1]
@@ -109,17 +113,17 @@ def print_table(f: dict[str, Any], console) -> None:
         f"⁴ two chained fp16 models, {'x'.join(map(str, f['frames']['frame']))} frames; ONNX Runtime with IOBinding "
         "to preallocated arrays.",
     ]
-    if f["onnxruntime"] != "measured":
+    if not ort:
         from onecopy.demo import INSTALL_HINT
 
-        notes.insert(0, f"[bold]ONNX Runtime is {f['onnxruntime']}[/bold]: onecopy's rows only. For the peer rows: "
-                        f"{INSTALL_HINT}.")
+        console.print(f"ONNX Runtime is {f['onnxruntime']}: onecopy's rows only. For the peer rows: {INSTALL_HINT}.",
+                      style="bold", markup=False, highlight=False)
     for note in notes:
-        console.print(note, style="dim", highlight=False)
+        console.print(note, style="dim", markup=False, highlight=False)
     console.print(f"{machine['cpu_model']}, {machine['usable_cpus']} of {machine['cores']} CPUs; "
                   + ", ".join(f"{p} {v}" for p, v in machine["versions"].items() if v)
                   + f"; the demo took {f['duration_s']:.0f} s, load average {f['load_average_at_end'][0]:.1f} at its end",
-                  style="dim", highlight=False)
+                  style="dim", markup=False, highlight=False)
 
 
 def draw(f: dict[str, Any], path: Path) -> None:
