@@ -196,7 +196,8 @@ def draw(f: dict[str, Any], path: Path) -> None:
 
     machine = f["machine"]
     fig.suptitle(f"onecopy beside ONNX Runtime and torch eager: {f['model']}\n{machine['cpu_model']}, "
-                 f"{machine['usable_cpus']} CPUs", fontsize=11)
+                 f"{machine['usable_cpus']} CPUs, load average {f['load_average_at_end'][0]:.1f} at the end of the run",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
