@@ -571,6 +571,8 @@ def run_demo(workdir: Path | None = None, plot: Path | None = None, *, as_json: 
     from onecopy.demo_report import draw, print_table
 
     console = Console(stderr=as_json)
+    if not console.is_terminal:  # piped or captured: rich would wrap the table at 80 columns; no terminal to fit
+        console = Console(stderr=as_json, width=112)
     figures = measure(config, workdir=workdir, console=Console(stderr=True))
     if as_json:
         print(json.dumps(figures, indent=2))

@@ -72,7 +72,7 @@ def _rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     ms, copied, over = frames["ms_per_frame"], frames["bytes_copied_per_frame"], frames["onecopy_bound_over"]
     iob = "onnxruntime_iobinding"
     rows.append(("frame, bound surfaces ⁴", f"{_ms(ms['onecopy_bound'])}, {copied['onecopy_bound']} B copied",
-                 f"{_ms(ms[iob])} IOBinding" if iob in ms else "", "",
+                 _ms(ms[iob]) if iob in ms else "", "",
                  _verdict(over[iob], "faster", "slower") if iob in over else ""))
     rows.append(("frame, numpy I/O ⁴", f"{_ms(ms['onecopy_numpy'])}, {copied['onecopy_numpy'] / MIB:.1f} MiB copied",
                  "", "", f"bound: {_verdict(over['onecopy_numpy'], 'faster', 'slower')}"))
