@@ -1,4 +1,5 @@
-# The two commands of the README. Both create .venv on a fresh machine and install into it.
+# The two commands of the README. Both create .venv on a fresh machine and install into it (the same extras:
+# the demo's test runs the demo, ONNX Runtime included).
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,13 +10,14 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard src/onecopy/*/*.c src/onecopy/*/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot,serve]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot,demo,serve]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The table on the terminal, the picture in ./onecopy-demo.png.
 demo: $(STAMP)
-	$(VENV)/bin/onecopy demo
+	$(VENV)/bin/onecopy demo --plot onecopy-demo.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q

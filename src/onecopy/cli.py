@@ -142,9 +142,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from onecopy.demo import run_demo
+    from onecopy.demo import FULL, QUICK, run_demo
 
-    return run_demo(workdir=Path(args.workdir) if args.workdir else None, plot=Path(args.plot) if args.plot else None)
+    return run_demo(workdir=Path(args.workdir) if args.workdir else None, plot=Path(args.plot) if args.plot else None,
+                    as_json=args.json, config=QUICK if args.quick else FULL)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -244,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="measure what onecopy buys on this machine, on the built-in model")
     p.add_argument("--workdir", help="where to write the demo's programs (default: a temporary directory)")
     p.add_argument("--plot", help="also draw the figures into this PNG file (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON on stdout (progress on stderr)")
+    p.add_argument("--quick", action="store_true", help="every measurement, fewer times: K = 1, 2 and fewer rounds")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="latency percentiles of a program's methods")

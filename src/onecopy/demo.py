@@ -1,65 +1,78 @@
-"""`onecopy demo`: what onecopy buys on this machine, measured on the built-in model in about a minute.
+"""`onecopy demo`: what onecopy buys on this machine, measured now beside ONNX Runtime and torch eager.
 
-1. program size: default vs multifunction export (code vs parameters);
-2. cold vs warm load in fresh processes (specialize vs restore from the cache);
-3. memory of K = 1, 2, 4, 8 programs loaded from one file, shared model off vs on (RSS and PSS growth);
-4. a chained two-model frame pipeline through bound surfaces vs plain numpy I/O (bytes copied, time per frame).
+On the built-in model (8 x Linear(1024, 1024) + ReLU, methods forward [1, 1024] and prefill [16, 1024]):
+1. program size on disk: one onecopy file for both methods vs one ONNX file per method;
+2. time to first result in a fresh process: onecopy cold (specialize for this CPU) and warm (restore from the
+   cache) vs an ONNX Runtime session;
+3. memory (PSS and RSS growth) of K = 1, 2, 4, 8 loads, each K in a fresh process: onecopy programs with the
+   shared model on and off vs ONNX Runtime sessions;
+4. latency per call at B=1 and B=16: onecopy, ONNX Runtime, torch eager, in interleaved rounds;
+5. a chained two-model fp16 frame pipeline: onecopy on bound surfaces vs numpy I/O vs ONNX Runtime's IOBinding.
 
-Every figure is measured now, in this run; nothing is quoted from elsewhere.
+Every figure is measured in this run; nothing is quoted from elsewhere. Without ONNX Runtime the demo says so and
+measures onecopy (and torch eager) alone. Everything it makes lives in one temporary directory, removed at the
+end, on an error and on Ctrl-C; its child processes are killed with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
 import json
 import os
+import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["run_demo", "DemoResults"]
+__all__ = ["run_demo", "DemoConfig", "FULL", "QUICK"]
 
 FRAME = (1, 3, 270, 480)  # fp16 frames: 810 rows of 480 values = 960-byte rows, a dense surface
+ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
+INSTALL_HINT = "pip install -c constraints.txt -e '.[demo]' (make demo installs it)"
+PLOT_HINT = "pip install -c constraints.txt -e '.[plot]' (make demo installs it)"
 
 
-@dataclass
-class DemoResults:
-    sizes: dict[str, dict[str, int]] = field(default_factory=dict)
-    load: dict[str, float] = field(default_factory=dict)
-    memory: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
-    frames: dict[str, dict[str, float]] = field(default_factory=dict)
-    accuracy: dict[str, float] = field(default_factory=dict)
+@dataclass(frozen=True)
+class DemoConfig:
+    ks: tuple[int, ...] = (1, 2, 4, 8)  # loads per process in the memory sweep
+    warm_loads: int = 3  # fresh processes per warm figure (median)
+    latency_rounds: int = 12
+    latency_block_s: float = 0.05  # timed calls of one peer in a round
+    frame_rounds: int = 12
 
 
-def _memory_mib() -> dict[str, float]:
-    """RSS and PSS of this process, MiB. PSS counts shared pages once per sharer: the figure for 'one copy'."""
-    found = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("Rss", "Pss"):
-                found[key.lower()] = int(line.split()[1]) / 1024
-    return found
+FULL = DemoConfig()
+QUICK = DemoConfig(ks=(1, 2), warm_loads=1, latency_rounds=3, latency_block_s=0.015, frame_rounds=3)  # every measurement, fewer times
 
 
-def _child(*args: str, env: dict[str, str] | None = None) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "onecopy.demo", *args], capture_output=True, text=True, timeout=600,
-        env={**os.environ, **(env or {})},
-    )
+# -- fresh processes --------------------------------------------------------------------------------------------
+
+
+def _child(kind: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run `python -m onecopy.demo KIND ARGS` and return the JSON it prints last. subprocess.run kills the child
+    on any exception, KeyboardInterrupt included, before this returns."""
+    result = subprocess.run([sys.executable, "-m", "onecopy.demo", kind, *args], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, **(env or {})})
     if result.returncode != 0:
-        raise RuntimeError(f"demo child {args[0]} failed: {result.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"demo child {kind} failed: {result.stderr.strip()[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-# -- children (fresh processes) --------------------------------------------------------------------------------
+def _growth(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    return {key: (after[key] - before[key]) / 2**20 for key in after}
 
 
-def _child_load(program: str, cache_dir: str) -> dict:
+def _child_load_onecopy(program: str, cache_dir: str) -> dict:
     started = time.perf_counter()
-    import iree.runtime  # noqa: F401  (the engine's import: ~1 s here, paid by every runtime, cold or warm)
+    import iree.runtime  # noqa: F401  (the engine's import, paid by every process, cold or warm)
     import numpy as np
 
     import onecopy.delegate.backend  # noqa: F401  (imported on first load otherwise; imports are not loading)
@@ -67,54 +80,141 @@ def _child_load(program: str, cache_dir: str) -> dict:
 
     imported = time.perf_counter()
     with Runtime(cache_dir=cache_dir).load_program(program) as loaded:
-        forward = loaded.load_method("forward")
-        forward.execute([np.ones((1, 1024), np.float32)])
+        loaded.load_method("forward").execute([np.ones((1, 1024), np.float32)])
         first = time.perf_counter()
     return {"import_ms": (imported - started) * 1e3, "first_result_ms": (first - imported) * 1e3}
 
 
-def _child_memory(program: str, cache_dir: str, share: bool) -> dict:
+def _child_load_ort(onnx_path: str) -> dict:
+    started = time.perf_counter()
+    import numpy as np
+    import onnxruntime as ort
+
+    imported = time.perf_counter()
+    session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    session.run(None, {"x": np.ones((1, 1024), np.float32)})
+    first = time.perf_counter()
+    return {"import_ms": (imported - started) * 1e3, "first_result_ms": (first - imported) * 1e3}
+
+
+def _wait_unmapped(paths: tuple[str, ...], release: Callable[[], None], timeout_s: float = 5.0) -> None:
+    """Wait until this process maps nothing under `paths`: the baseline must not hold the warm-up's weights, or
+    the first load maps the same pages again and looks free. A closed program's weights go a moment after its
+    close (quarantine) and the cache entry's mappings with its last reference, which a cycle can hold until a
+    collection."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        release()
+        gc.collect()
+        with open("/proc/self/maps") as f:
+            held = [line for line in f if any(p in line for p in paths)]
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the warm-up's files are still mapped {timeout_s} s after its close: {held[0].strip()}")
+        time.sleep(0.02)
+
+
+def _child_memory_onecopy(program: str, cache_dir: str, share: bool, k: int) -> dict:
     import numpy as np
 
     from onecopy import Runtime
     from onecopy.delegate import quarantine
+    from onecopy.measure import memory
+    from onecopy.models import METHOD_BATCH, WIDTH
 
     runtime = Runtime(cache_dir=cache_dir)
-    with runtime.load_program(program) as warm:  # the cache is warm; engine libraries are loaded
-        warm.load_method("forward").execute([np.ones((1, 1024), np.float32)])
-    quarantine.drain()  # the closed warm-up's weights are freed a moment after its close: not in the baseline
-    base = _memory_mib()
+    with runtime.load_program(program) as warm:  # engine libraries and threads: loaded, not counted
+        warm.load_method("forward").execute([np.ones((1, WIDTH), np.float32)])
+    _wait_unmapped((program, cache_dir), quarantine.drain)
+    before = memory()
     options = {"IreeBackend": {"share_multifunction_model": share}}
-    programs, growth = [], {}
-    for k in range(1, 9):
-        program_k = runtime.load_program(program, backend_options=options)
-        for name, batch in (("forward", 1), ("prefill", 16)):
-            program_k.load_method(name).execute([np.ones((batch, 1024), np.float32)])
-        programs.append(program_k)
-        if k in (1, 2, 4, 8):
-            now = _memory_mib()
-            growth[k] = {"rss": now["rss"] - base["rss"], "pss": now["pss"] - base["pss"]}
-    for p in programs:
-        p.close()
-    return growth
+    programs = []
+    for _ in range(k):
+        loaded = runtime.load_program(program, backend_options=options)
+        for name, batch in METHOD_BATCH.items():
+            loaded.load_method(name).execute([np.ones((batch, WIDTH), np.float32)])
+        programs.append(loaded)
+    after = memory()
+    for loaded in programs:
+        loaded.close()
+    return _growth(before, after)
 
 
-# -- the demo -------------------------------------------------------------------------------------------------
+def _child_memory_ort(onnx_path: str, warmup_path: str, k: int) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+
+    from onecopy.measure import memory
+
+    # Warm up on another (tiny) model: a session of this one, freed, would leave its weights' pages in the
+    # allocator for the next session to reuse, and K=1 would look free.
+    tiny = ort.InferenceSession(warmup_path, providers=["CPUExecutionProvider"])
+    tiny.run(None, {"x": np.ones((1, 16), np.float32)})
+    del tiny
+    gc.collect()
+    before = memory()
+    sessions = []
+    for _ in range(k):
+        session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+        session.run(None, {"x": np.ones((1, 1024), np.float32)})
+        sessions.append(session)
+    return _growth(before, memory())
 
 
-def _export_programs(out: Path, progress, task) -> dict[str, Path]:
+# -- the demo ---------------------------------------------------------------------------------------------------
+
+
+def _onnxruntime_missing() -> str | None:
+    import importlib.util
+
+    missing = [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]
+    return f"not installed: {', '.join(missing)}" if missing else None
+
+
+def _export_onnx(model, example, path: Path, exported=None) -> Path:
+    """The model as ONNX, the way benchmarks/ export it: torch.onnx's dynamo exporter (static shapes; from the
+    torch.export program onecopy was given, when there is one, rather than tracing the model again), the
+    TorchScript exporter if that fails."""
+    import io
+    import logging
+    import warnings
+
     import torch
 
-    from onecopy.export import CompileSpec, Partitioner, export_program
-    from onecopy.models import builtin_methods, builtin_model
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)  # "torchvision ..."
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(exported if exported is not None else model, () if exported is not None else (example,),
+                              str(path), dynamo=True, verbose=False, input_names=["x"], output_names=["y"])
+        except Exception:  # noqa: BLE001  (any failure of one exporter: try the other)
+            torch.onnx.export(model, (example,), str(path), dynamo=False, input_names=["x"], output_names=["y"],
+                              opset_version=17)
+    return path
 
-    model = builtin_model()
-    paths = {}
-    for label, partitioner in (("default", Partitioner()), ("multifunction", Partitioner(multifunction=True))):
-        progress.update(task, description=f"exporting the built-in model ({label})")
-        paths[label] = export_program(builtin_methods(model), partitioner=partitioner,
-                                      compile_spec=CompileSpec(packaging="mlir")).save(out / f"builtin-{label}.onecopy")
-        progress.advance(task)
+
+def _onnx_bytes(path: Path) -> int:
+    """An ONNX file with its external data files (the dynamo exporter writes the weights beside the graph)."""
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+
+
+def _tiny_onnx(path: Path) -> Path:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [numpy_helper.from_array(np.eye(16, dtype=np.float32), "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _frame_models():
+    import torch
 
     class ScaleBias(torch.nn.Module):
         def forward(self, x):
@@ -124,35 +224,199 @@ def _export_programs(out: Path, progress, task) -> dict[str, Path]:
         def forward(self, x):
             return torch.clamp(x * 2.0, 0.0, 1.0)
 
-    progress.update(task, description="exporting the frame models")
-    for name, frame_model in (("scale_bias", ScaleBias()), ("gain", Gain())):
-        ep = torch.export.export(frame_model, (torch.zeros(FRAME, dtype=torch.float16),))
-        paths[name] = export_program({"forward": ep}, memory_planned_outputs=False).save(out / f"{name}.onecopy")
-    progress.advance(task)
-    return paths
+    return {"scale_bias": ScaleBias(), "gain": Gain()}
 
 
-def _frames(paths: dict[str, Path], cache_dir: Path, results: DemoResults) -> None:
+def _machine() -> dict[str, Any]:
+    import importlib.metadata
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith(("model name", "Hardware")):
+                model = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for package in ("onecopy", "torch", "iree-base-runtime", "onnxruntime", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"cpu_model": model, "cores": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+            "machine": platform.machine(), "python": platform.python_version(), "versions": versions}
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the demo like Ctrl-C does: through the finally blocks that remove what it made."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Steps:
+    """One progress bar over the demo's steps (on stderr)."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress, self.task = progress, progress.add_task("", total=total)
+        self.seconds: dict[str, float] = {}  # per kind of step (the description's text before ':')
+        self._current: tuple[str, float] | None = None
+
+    def start(self, description: str) -> None:
+        self._stop()
+        self._current = (description.split(":")[0], time.perf_counter())
+        self.progress.update(self.task, description=description)
+
+    def _stop(self) -> None:
+        if self._current is not None:
+            kind, began = self._current
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - began
+            self._current = None
+
+    def done(self, n: int = 1) -> None:
+        self.progress.advance(self.task, n)
+
+
+def _measure_load(paths: dict[str, Path], cache_dir: Path, config: DemoConfig, ort_ok: bool, steps: _Steps) -> dict:
+    steps.start("cold load: a fresh process specializes the program for this CPU")
+    cold = _child("load-onecopy", str(paths["onecopy"]), str(cache_dir))
+    steps.done()
+    steps.start("warm loads: fresh processes restore it from the cache")
+    warm = [_child("load-onecopy", str(paths["onecopy"]), str(cache_dir), env={"ONECOPY_FORBID_SPECIALIZE": "1"})
+            for _ in range(config.warm_loads)]
+    load = {"onecopy": {"import_ms": _median([w["import_ms"] for w in warm]), "cold_ms": cold["first_result_ms"],
+                        "warm_ms": _median([w["first_result_ms"] for w in warm])}}
+    steps.done()
+    if ort_ok:
+        steps.start("ONNX Runtime sessions in fresh processes")
+        runs = [_child("load-ort", str(paths["onnx_forward"])) for _ in range(config.warm_loads)]
+        load["onnxruntime"] = {"import_ms": _median([r["import_ms"] for r in runs]),
+                               "first_result_ms": _median([r["first_result_ms"] for r in runs])}
+    steps.done()
+    return load
+
+
+def _measure_memory(paths: dict[str, Path], cache_dir: Path, config: DemoConfig, ort_ok: bool,
+                    steps: _Steps) -> dict:
+    """Each (engine, K) in its own fresh process, one after the other: a process mapping the same pages at the
+    same time would take a share of their PSS."""
+    memory: dict[str, dict[str, dict[str, float]]] = {"onecopy_shared": {}, "onecopy_unshared": {}}
+    if ort_ok:
+        memory["onnxruntime"] = {}
+    for k in config.ks:
+        for engine in memory:
+            steps.start(f"memory: {k} load{'s' if k > 1 else ''}, {engine.replace('_', ' ')} (fresh process)")
+            if engine == "onnxruntime":
+                growth = _child("memory-ort", str(paths["onnx_forward"]), str(paths["onnx_tiny"]), str(k))
+            else:
+                share = "on" if engine == "onecopy_shared" else "off"
+                growth = _child("memory-onecopy", str(paths["onecopy"]), str(cache_dir), share, str(k),
+                                env={"ONECOPY_FORBID_SPECIALIZE": "1"})
+            memory[engine][str(k)] = growth
+            steps.done()
+    return memory
+
+
+def _measure_latency(paths: dict[str, Path], cache_dir: Path, model, config: DemoConfig, ort_ok: bool,
+                     steps: _Steps) -> tuple[dict, dict]:
+    import numpy as np
+    import torch
+
+    from onecopy import Runtime
+    from onecopy.measure import interleaved, paired_ratio
+    from onecopy.models import METHOD_BATCH, WIDTH
+
+    rng = np.random.default_rng(0)
+    latency, accuracy = {}, {}
+    sessions = {}
+    if ort_ok:
+        import onnxruntime as ort
+
+        sessions = {name: ort.InferenceSession(str(paths[f"onnx_{name}"]), providers=["CPUExecutionProvider"])
+                    for name in METHOD_BATCH}
+    with Runtime(cache_dir=cache_dir).load_program(paths["onecopy"]) as program:
+        for name, batch in METHOD_BATCH.items():
+            steps.start(f"latency, {name} B={batch}: onecopy, ONNX Runtime, torch eager in interleaved rounds")
+            x = rng.standard_normal((batch, WIDTH), dtype=np.float32)
+            method = program.load_method(name)
+            peers: dict[str, Callable[[], Any]] = {"onecopy": lambda m=method, x=x: m.execute([x])}
+            if name in sessions:
+                peers["onnxruntime"] = lambda s=sessions[name], x=x: s.run(None, {"x": x})
+
+            def eager(x=x):
+                with torch.no_grad():
+                    return model(torch.from_numpy(x))
+
+            peers["torch"] = eager
+            expected = eager().numpy()
+            for engine in ("onecopy", "onnxruntime"):
+                if engine in peers:
+                    got = np.asarray(peers[engine]()[0])
+                    accuracy[engine] = max(accuracy.get(engine, 0.0), float(np.abs(got - expected).max()))
+            start = time.perf_counter()
+            for fn in peers.values():
+                fn()
+            # about 50 ms (quick: 15) per peer per round, at least 2 calls: B=16 takes many times B=1
+            each = (time.perf_counter() - start) / len(peers)
+            inner = max(2, min(10, int(config.latency_block_s / max(each, 1e-6))))
+            timings = interleaved(peers, rounds=config.latency_rounds, inner=inner)
+            latency[f"B={batch}"] = {
+                "method": name,
+                "ms": {engine: t.median_ms for engine, t in timings.items()},
+                "onecopy_over": {engine: paired_ratio(timings["onecopy"], t)
+                                 for engine, t in timings.items() if engine != "onecopy"},
+            }
+            steps.done()
+    return latency, accuracy
+
+
+def _measure_frames(paths: dict[str, Path], cache_dir: Path, config: DemoConfig, ort_ok: bool) -> dict:
     import numpy as np
 
     from onecopy import Runtime, Surface
+    from onecopy.measure import interleaved, paired_ratio
 
     runtime = Runtime(cache_dir=cache_dir)
     height, width = FRAME[0] * FRAME[1] * FRAME[2], FRAME[3]
-    tag = f"demo-{os.getpid()}"
-    surfaces = [Surface.create(height, width, "float16", name=f"{tag}-{i}") for i in range(3)]
+    tag = f"onecopy-demo-{os.getpid()}"
+    surfaces = []
     try:
+        for i in range(3):
+            surfaces.append(Surface.create(height, width, "float16", name=f"{tag}-{i}"))
         src, middle, dst = surfaces
         src.array()[:] = np.random.default_rng(0).random((height, width), dtype=np.float32).astype(np.float16)
         with runtime.load_program(paths["scale_bias"]) as first, runtime.load_program(paths["gain"]) as second:
             a, b = first.load_method("forward"), second.load_method("forward")
             plain_in = np.array(src.array()).reshape(FRAME)
             plain_mid, plain_out = np.empty(FRAME, np.float16), np.empty(FRAME, np.float16)
+            copied_bytes = {}
 
-            def copied():
+            def numpy_io():
                 a.execute([plain_in], outputs=[plain_mid])
                 b.execute([plain_mid], outputs=[plain_out])
-                return a.last_copy_stats.copied + b.last_copy_stats.copied
+                copied_bytes["onecopy_numpy"] = a.last_copy_stats.copied + b.last_copy_stats.copied
 
             for s in (src, middle):
                 a.bind_surface(s)
@@ -166,170 +430,178 @@ def _frames(paths: dict[str, Path], cache_dir: Path, results: DemoResults) -> No
             def bound():
                 first_call.run()
                 second_call.run()
-                return first_call.last_copy_stats.copied + second_call.last_copy_stats.copied
+                copied_bytes["onecopy_bound"] = first_call.last_copy_stats.copied + second_call.last_copy_stats.copied
 
-            timings: dict[str, list[float]] = {"copied": [], "bound": []}
-            bytes_copied = {}
-            for _ in range(3):  # warm-up
-                copied(), bound()
-            for _ in range(15):  # interleaved, so both see the same machine
-                for name, fn in (("copied", copied), ("bound", bound)):
-                    start = time.perf_counter()
-                    bytes_copied[name] = fn()
-                    timings[name].append(time.perf_counter() - start)
+            peers: dict[str, Callable[[], Any]] = {"onecopy_bound": bound, "onecopy_numpy": numpy_io}
+            ort_out = None
+            if ort_ok:
+                import onnxruntime as ort
+
+                # ONNX Runtime's best for a frame loop: IOBinding to preallocated arrays, bound once.
+                ort_mid, ort_out = np.empty(FRAME, np.float16), np.empty(FRAME, np.float16)
+                runs = []
+                for key, x, y in (("onnx_scale_bias", plain_in, ort_mid), ("onnx_gain", ort_mid, ort_out)):
+                    session = ort.InferenceSession(str(paths[key]), providers=["CPUExecutionProvider"])
+                    binding = session.io_binding()
+                    binding.bind_input("x", "cpu", 0, np.float16, list(FRAME), x.ctypes.data)
+                    binding.bind_output("y", "cpu", 0, np.float16, list(FRAME), y.ctypes.data)
+                    runs.append(lambda s=session, io=binding: s.run_with_iobinding(io))
+                peers["onnxruntime_iobinding"] = lambda: (runs[0](), runs[1]())
+            timings = interleaved(peers, rounds=config.frame_rounds, inner=5)
             expected = np.clip((plain_in.astype(np.float32) * 0.5 + 0.25) * 2.0, 0, 1)
-            results.accuracy["frames"] = float(np.abs(views[2].astype(np.float32) - expected).max())
+            accuracy = float(np.abs(views[2].astype(np.float32) - expected).max())
             if not np.array_equal(views[2], plain_out):
                 raise RuntimeError("the bound and the copied frame pipelines disagree")
-        for name, samples in timings.items():
-            samples.sort()
-            median = samples[len(samples) // 2]
-            results.frames[name] = {"ms_per_frame": median * 1e3, "fps": 1 / median, "bytes_copied": bytes_copied[name]}
+            if ort_out is not None:
+                accuracy = max(accuracy, float(np.abs(ort_out.astype(np.float32) - expected).max()))
     finally:
         for s in surfaces:
             s.close()
             s.unlink()
+    return {
+        "frame": list(FRAME), "dtype": "float16",
+        "ms_per_frame": {peer: t.median_ms for peer, t in timings.items()},
+        "bytes_copied_per_frame": copied_bytes,
+        "onecopy_bound_over": {peer: paired_ratio(timings["onecopy_bound"], t)
+                               for peer, t in timings.items() if peer != "onecopy_bound"},
+        "max_abs_diff_vs_float32": accuracy,
+    }
 
 
-def _report(results: DemoResults, console) -> None:
-    from rich.table import Table
-
-    table = Table(title="onecopy on this machine (built-in model: 8 x Linear(1024, 1024) + ReLU, forward [1, 1024] + prefill [16, 1024])")
-    table.add_column("figure")
-    table.add_column("measured", justify="right")
-    table.add_column("meaning")
-    mib = 2**20
-    d, m = results.sizes["default"], results.sizes["multifunction"]
-    table.add_row("program size, default", f"{d['file'] / mib:.2f} MiB",
-                  f"code {d['code'] / mib:.3f} MiB + parameters {d['parameters'] / mib:.2f} MiB")
-    table.add_row("program size, multifunction", f"{m['file'] / mib:.2f} MiB",
-                  f"{m['file'] / d['file']:.3f} x default (onecopy stores weights once in both)")
-    cold, warm = results.load["cold_ms"], results.load["warm_ms"]
-    table.add_row("cold load -> first result", f"{cold:.0f} ms", "fresh process, empty cache: specialize for this CPU")
-    table.add_row("warm load -> first result", f"{warm:.1f} ms", f"fresh process, restored from the cache: {cold / warm:.0f}x faster")
-    table.add_row("python imports (each process)", f"{results.load['import_ms']:.0f} ms", "not counted above")
-    for share in ("off", "on"):
-        growth = results.memory[share]
-        # PSS is the figure: RSS counts a page of the mapped weights once per mapping of it, so programs mapping
-        # the same file pages again grow RSS without using more memory. No K=8 / K=1 ratio: over a baseline that
-        # already maps the weights (the warm-up's cache entry), K=1 can grow by ~0 MiB.
-        table.add_row(f"memory, 8 programs, sharing {share}",
-                      f"PSS +{growth[8]['pss']:.0f} MiB",
-                      f"PSS +{growth[1]['pss']:.0f} MiB at K=1; RSS +{growth[1]['rss']:.0f} MiB at K=1, "
-                      f"+{growth[8]['rss']:.0f} MiB at K=8 (RSS counts each mapping of the weights again)")
-    c, b = results.frames["copied"], results.frames["bound"]
-    table.add_row("frame pipeline, numpy I/O", f"{c['ms_per_frame']:.2f} ms/frame",
-                  f"{c['fps']:.0f} fps, {c['bytes_copied'] / mib:.1f} MiB copied per frame")
-    table.add_row("frame pipeline, bound surfaces", f"{b['ms_per_frame']:.2f} ms/frame",
-                  f"{b['fps']:.0f} fps, {b['bytes_copied']} bytes copied; {c['ms_per_frame'] / b['ms_per_frame']:.2f}x")
-    table.add_row("accuracy vs torch eager", f"{results.accuracy['builtin']:.1e}", "max |diff|, forward and prefill")
-    console.print(table)
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
-def _plot(results: DemoResults, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        from onecopy.errors import InvalidArgument
-
-        raise InvalidArgument("--plot needs matplotlib: pip install 'onecopy[plot]'.") from e
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    ks = [1, 2, 4, 8]
-    for share, style in (("off", "o--"), ("on", "s-")):
-        axes[0].plot(ks, [results.memory[share][k]["rss"] for k in ks], style, label=f"RSS, sharing {share}")
-        axes[0].plot(ks, [results.memory[share][k]["pss"] for k in ks], style, alpha=0.5, label=f"PSS, sharing {share}")
-    axes[0].set(title="memory growth for K programs", xlabel="K programs", ylabel="MiB")
-    axes[0].legend()
-    axes[1].bar(["cold (specialize)", "warm (restore)"], [results.load["cold_ms"], results.load["warm_ms"]])
-    axes[1].set(title="load -> first result (fresh process)", ylabel="ms", yscale="log")
-    axes[2].bar(["numpy I/O", "bound surfaces"], [results.frames["copied"]["ms_per_frame"], results.frames["bound"]["ms_per_frame"]])
-    axes[2].set(title=f"two-model frame pipeline, fp16 {list(FRAME)}", ylabel="ms per frame")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def run_demo(workdir: Path | None = None, plot: Path | None = None) -> int:
-    import numpy as np
+def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=None) -> dict[str, Any]:
+    """Run every measurement and return the figures (what `--json` prints)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from onecopy import Runtime
+    from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.inspect import summarize
-    from onecopy.models import builtin_model
+    from onecopy.models import METHOD_BATCH, WIDTH, builtin_methods, builtin_model
     from onecopy.program import read_program
 
-    console = Console()
-    results = DemoResults()
-    with tempfile.TemporaryDirectory(prefix="onecopy-demo-") as tmp:
-        out = workdir or Path(tmp)
+    started = time.perf_counter()
+    console = console or Console(stderr=True)
+    missing = _onnxruntime_missing()
+    ort_ok = missing is None
+    figures: dict[str, Any] = {
+        "machine": _machine(),
+        "model": f"8 x Linear({WIDTH}, {WIDTH}) + ReLU, fp32; methods "
+                 + ", ".join(f"{n} [{b}, {WIDTH}]" for n, b in METHOD_BATCH.items()),
+        "config": dataclasses.asdict(config),
+        "onnxruntime": "measured" if ort_ok else missing,
+    }
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_terminated_as_interrupt())
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="onecopy-demo-")))
+        # Files the engines leave in the temporary directory (ONNX Runtime a telemetry session file on import, torch
+        # its compile caches) go into ours, in this process and its children.
+        (tmp / "tmp").mkdir()
+        stack.enter_context(_environ("TMPDIR", str(tmp / "tmp")))
+        stack.enter_context(_environ("TORCHINDUCTOR_CACHE_DIR", str(tmp / "torch")))
+        import torch
+
+        out = workdir or tmp
         out.mkdir(parents=True, exist_ok=True)
-        cache_dir = Path(tmp) / "cache"  # the demo's own cache: cold means cold
+        cache_dir = tmp / "cache"  # the demo's own cache: cold means cold, and the user's cache is left alone
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("exporting", total=7)
-            paths = _export_programs(out, progress, task)
-            for label in ("default", "multifunction"):
-                loaded = read_program(paths[label])
-                try:
-                    summary = summarize(loaded, paths[label].stat().st_size)
-                finally:
-                    loaded.close()
-                results.sizes[label] = {"file": summary.file_bytes, "code": summary.code_bytes,
-                                        "parameters": summary.parameter_bytes}
+        progress = stack.enter_context(Progress(*columns, console=console, transient=True))
+        steps = _Steps(progress, 7 + len(config.ks) * (3 if ort_ok else 2) + len(METHOD_BATCH))
 
-            progress.update(task, description="cold load: specializing for this CPU in a fresh process")
-            cold = _child("load", str(paths["multifunction"]), str(cache_dir))
-            progress.advance(task)
-            progress.update(task, description="warm load: restoring from the cache in fresh processes")
-            warm = [_child("load", str(paths["multifunction"]), str(cache_dir),
-                           env={"ONECOPY_FORBID_SPECIALIZE": "1"}) for _ in range(3)]
-            results.load = {
-                "cold_ms": cold["first_result_ms"],
-                "warm_ms": sorted(w["first_result_ms"] for w in warm)[1],
-                "import_ms": cold["import_ms"],
-            }
-            progress.advance(task)
+        steps.start("exporting the built-in model and two frame models")
+        model = builtin_model()
+        paths: dict[str, Path] = {}
+        exported = builtin_methods(model)
+        paths["onecopy"] = export_program(exported, partitioner=Partitioner(multifunction=True),
+                                          compile_spec=CompileSpec(packaging="mlir")).save(out / "builtin.onecopy")
+        frame_models = _frame_models()
+        for name, frame_model in frame_models.items():
+            exported[name] = torch.export.export(frame_model, (torch.zeros(FRAME, dtype=torch.float16),))
+            paths[name] = export_program({"forward": exported[name]},
+                                         memory_planned_outputs=False).save(out / f"{name}.onecopy")
+        loaded = read_program(paths["onecopy"])
+        try:
+            summary = summarize(loaded, paths["onecopy"].stat().st_size)
+        finally:
+            loaded.close()
+        figures["size_bytes"] = {"onecopy": {"file": summary.file_bytes, "code": summary.code_bytes,
+                                             "parameters": summary.parameter_bytes}}
+        steps.done()
 
-            progress.update(task, description="memory: 1, 2, 4, 8 programs, shared model off and on")
-            for share in ("off", "on"):
-                growth = _child("memory", str(paths["multifunction"]), str(cache_dir), share)
-                results.memory[share] = {int(k): v for k, v in growth.items()}
-            progress.advance(task)
+        steps.start("exporting ONNX files for ONNX Runtime (torch.onnx)")
+        if ort_ok:
+            onnx_dir = out / "onnx"
+            onnx_dir.mkdir(exist_ok=True)
+            for name, batch in METHOD_BATCH.items():
+                paths[f"onnx_{name}"] = _export_onnx(model, torch.zeros(batch, WIDTH), onnx_dir / f"{name}.onnx",
+                                                     exported[name])
+            for name, frame_model in frame_models.items():
+                paths[f"onnx_{name}"] = _export_onnx(frame_model, torch.zeros(FRAME, dtype=torch.float16),
+                                                     onnx_dir / f"{name}.onnx", exported[name])
+            paths["onnx_tiny"] = _tiny_onnx(onnx_dir / "tiny.onnx")
+            per_method = {name: _onnx_bytes(paths[f"onnx_{name}"]) for name in METHOD_BATCH}
+            figures["size_bytes"]["onnxruntime"] = {**per_method, "total": sum(per_method.values())}
+        steps.done()
 
-            progress.update(task, description="accuracy and the frame pipeline")
-            model = builtin_model()
-            worst = 0.0
-            import torch
-
-            with Runtime(cache_dir=cache_dir).load_program(paths["multifunction"]) as loaded:
-                for name, batch in (("forward", 1), ("prefill", 16)):
-                    x = torch.randn(batch, 1024)
-                    (y,) = loaded.load_method(name).execute([x.numpy()])
-                    with torch.no_grad():
-                        worst = max(worst, float(np.abs(y - model(x).numpy()).max()))
-            results.accuracy["builtin"] = worst
-            _frames(paths, cache_dir, results)
-            progress.advance(task)
-        _report(results, console)
-        if plot is not None:
-            _plot(results, plot)
-            console.print(f"figures written to {plot}")
+        figures["load_ms"] = _measure_load(paths, cache_dir, config, ort_ok, steps)
+        # Before the parent loads anything: a page this process mapped would take a share of a child's PSS.
+        figures["memory_mib"] = _measure_memory(paths, cache_dir, config, ort_ok, steps)
+        figures["latency_ms"], figures["max_abs_diff_vs_torch"] = _measure_latency(
+            paths, cache_dir, model, config, ort_ok, steps)
+        steps.start("frames: a two-model fp16 pipeline, bound surfaces vs numpy I/O vs ONNX Runtime IOBinding")
+        figures["frames"] = _measure_frames(paths, cache_dir, config, ort_ok)
+        steps.done()
+        steps.start("done")
+        figures["seconds_by_step"] = steps.seconds
         if workdir:
-            console.print(f"programs in {out}")
-    return 0 if results.accuracy["builtin"] < 1e-4 else 1
+            figures["workdir"] = str(out)
+    figures["duration_s"] = time.perf_counter() - started
+    # Other processes' work slows every figure here (the ratios less): a load average above the CPU count says so.
+    figures["load_average_at_end"] = list(os.getloadavg())
+    return figures
+
+
+def run_demo(workdir: Path | None = None, plot: Path | None = None, *, as_json: bool = False,
+             config: DemoConfig = FULL) -> int:
+    from rich.console import Console
+
+    from onecopy.demo_report import draw, print_table
+
+    console = Console(stderr=as_json)
+    if not console.is_terminal:  # piped or captured: rich would wrap the table at 80 columns; no terminal to fit
+        console = Console(stderr=as_json, width=112)
+    figures = measure(config, workdir=workdir, console=Console(stderr=True))
+    if as_json:
+        print(json.dumps(figures, indent=2))
+    else:
+        print_table(figures, console)
+    if plot is not None:
+        try:
+            draw(figures, plot)
+            console.print(f"picture written to {plot.resolve()}", markup=False, highlight=False)
+        except ImportError:
+            console.print(f"no picture: matplotlib is not installed. For the picture: {PLOT_HINT}.", markup=False,
+                          highlight=False)
+    accurate = figures["max_abs_diff_vs_torch"].get("onecopy", 1.0) < 1e-4
+    return 0 if accurate else 1
 
 
 def _child_main(argv: list[str]) -> None:
-    kind = argv[0]
-    if kind == "load":
-        print(json.dumps(_child_load(argv[1], argv[2])))
-    elif kind == "memory":
-        print(json.dumps(_child_memory(argv[1], argv[2], argv[3] == "on")))
+    kind, args = argv[0], argv[1:]
+    if kind == "load-onecopy":
+        found = _child_load_onecopy(args[0], args[1])
+    elif kind == "load-ort":
+        found = _child_load_ort(args[0])
+    elif kind == "memory-onecopy":
+        found = _child_memory_onecopy(args[0], args[1], args[2] == "on", int(args[3]))
+    elif kind == "memory-ort":
+        found = _child_memory_ort(args[0], args[1], int(args[2]))
     else:
         raise SystemExit(f"unknown demo child {kind!r}")
+    print(json.dumps(found))
 
 
 if __name__ == "__main__":

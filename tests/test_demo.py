@@ -1,0 +1,154 @@
+"""`onecopy demo`: the figures it prints (--json), the table and picture made from them, and what it leaves behind.
+
+One reduced run (--quick: K = 1, 2 and fewer rounds, the same measuring code) serves the tests of this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+onnxruntime = pytest.importorskip("onnxruntime", reason="the demo's peer rows need the demo extra")
+
+
+def _demo(tmp: Path, *args: str) -> subprocess.Popen:
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp)}  # everything the demo makes must land here, and be gone at the end
+    return subprocess.Popen([sys.executable, "-m", "onecopy.cli", "demo", "--quick", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _leftover_surfaces(pid: int) -> list[str]:
+    return [p for p in os.listdir("/dev/shm") if f"onecopy-demo-{pid}-" in p]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    picture = tmp / "picture.png"
+    process = _demo(tmp / "tmp", "--json", "--plot", str(picture))
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return {"figures": json.loads(out), "stderr": err, "picture": picture, "tmp": tmp / "tmp", "pid": process.pid}
+
+
+def test_json_has_the_figures_of_every_engine(quick_run):
+    f = quick_run["figures"]
+    assert f["machine"]["cpu_model"] and f["machine"]["cores"] >= 1 and f["machine"]["usable_cpus"] >= 1
+    assert f["onnxruntime"] == "measured"
+    assert set(f["size_bytes"]) == {"onecopy", "onnxruntime"}
+    assert set(f["size_bytes"]["onnxruntime"]) == {"forward", "prefill", "total"}
+    assert set(f["load_ms"]["onecopy"]) == {"import_ms", "cold_ms", "warm_ms"}
+    assert set(f["load_ms"]["onnxruntime"]) == {"import_ms", "first_result_ms"}
+    assert set(f["memory_mib"]) == {"onecopy_shared", "onecopy_unshared", "onnxruntime"}
+    for engine in f["memory_mib"].values():
+        assert set(engine) == {"1", "2"}
+        assert all({"rss", "pss", "pss_anon", "pss_file"} <= set(k) for k in engine.values())
+    assert set(f["latency_ms"]) == {"B=1", "B=16"}
+    for batch in f["latency_ms"].values():
+        assert set(batch["ms"]) == {"onecopy", "onnxruntime", "torch"}
+        assert set(batch["onecopy_over"]) == {"onnxruntime", "torch"}
+        assert all(ms > 0 for ms in batch["ms"].values())
+    assert set(f["frames"]["ms_per_frame"]) == {"onecopy_bound", "onecopy_numpy", "onnxruntime_iobinding"}
+    assert f["frames"]["bytes_copied_per_frame"]["onecopy_bound"] == 0
+    assert set(f["max_abs_diff_vs_torch"]) == {"onecopy", "onnxruntime"}
+
+
+def test_figures_tell_the_memory_story(quick_run):
+    """What the demo exists to show, measured: a second onecopy program adds (almost) nothing, a second ONNX
+    Runtime session a copy of the weights (32 MiB)."""
+    memory = quick_run["figures"]["memory_mib"]
+    weights_mib = quick_run["figures"]["size_bytes"]["onecopy"]["parameters"] / 2**20
+    assert memory["onecopy_shared"]["2"]["pss"] - memory["onecopy_shared"]["1"]["pss"] < weights_mib / 4
+    assert memory["onnxruntime"]["2"]["pss"] - memory["onnxruntime"]["1"]["pss"] > weights_mib / 2
+    # the first load counts the weights once: the warm-up's mapping is gone from the baseline
+    assert memory["onecopy_shared"]["1"]["pss"] > weights_mib / 2
+
+
+def test_json_goes_to_stdout_alone_and_the_picture_is_drawn(quick_run):
+    assert "picture written to" in quick_run["stderr"]
+    picture = quick_run["picture"]
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size < 200_000
+
+
+def test_demo_leaves_nothing_behind(quick_run):
+    assert list(quick_run["tmp"].iterdir()) == []
+    assert _leftover_surfaces(quick_run["pid"]) == []
+
+
+def test_table_shows_every_peer_row(quick_run):
+    from rich.console import Console
+
+    from onecopy.demo_report import print_table
+
+    out = io.StringIO()
+    print_table(quick_run["figures"], Console(file=out, width=140))
+    text = out.getvalue()
+    for row in ("size on disk", "first result, cold", "first result, warm", "memory, 2 loads, PSS",
+                "memory, 2 loads, RSS", "latency, forward B=1", "latency, prefill B=16", "frame, bound surfaces"):
+        assert row in text
+    assert "than torch" in text and "0 B copied" in text
+
+
+def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
+    from rich.console import Console
+
+    from onecopy.demo_report import print_table
+
+    figures = copy.deepcopy(quick_run["figures"])
+    figures["onnxruntime"] = "not installed: onnxruntime"
+    del figures["size_bytes"]["onnxruntime"], figures["load_ms"]["onnxruntime"], figures["memory_mib"]["onnxruntime"]
+    for batch in figures["latency_ms"].values():
+        del batch["ms"]["onnxruntime"], batch["onecopy_over"]["onnxruntime"]
+    del figures["frames"]["ms_per_frame"]["onnxruntime_iobinding"]
+    del figures["frames"]["onecopy_bound_over"]["onnxruntime_iobinding"]
+    del figures["max_abs_diff_vs_torch"]["onnxruntime"]
+    out = io.StringIO()
+    print_table(figures, Console(file=out, width=140))
+    assert "ONNX Runtime is not installed: onnxruntime" in out.getvalue()
+    assert "'.[demo]'" in out.getvalue() and "latency, forward B=1" in out.getvalue()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+@pytest.mark.slow
+def test_ctrl_c_kills_the_children_and_removes_the_temporaries(tmp_path):
+    tmp = tmp_path / "tmp"
+    process = _demo(tmp, "--json")
+    try:
+        deadline = time.monotonic() + 120
+        children: list[int] = []
+        while not children and time.monotonic() < deadline and process.poll() is None:
+            children = _children(process.pid)  # the first fresh process: the cold load
+            time.sleep(0.05)
+        assert children, "the demo started no child process"
+        process.send_signal(signal.SIGINT)  # to the demo alone: it must end its children itself
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert all(not Path(f"/proc/{c}").exists() for c in children)
+    assert list(tmp.iterdir()) == []
+    assert _leftover_surfaces(process.pid) == []
