@@ -26,12 +26,26 @@ import msgspec
 
 from onecopy.errors import DelegateError
 
-__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "parse_manifest"]
+__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest"]
 
 MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
 PORTABLE = "portable"  # the bundle key of an `mlir` delegate
 PARAMETER_SCOPE = "model"
+
+
+class StateEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A program state held by the module as a mutable global (see onecopy.export.state): served as a zero splat
+    of `nbytes` under `parameter` (scope `model`); `initial` names the parameter its reset copies in (absent:
+    zeros). Read, written and reset through the module's `onecopy_read_<parameter>`, `onecopy_write_<parameter>` and
+    `onecopy_reset_states` functions."""
+
+    name: str
+    parameter: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    initial: str | None = None
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -50,6 +64,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     outputs_in_place: bool = False
     # target name (a key of `bundle`) -> named data key of its parameter encoder (vmfb only).
     encoders: dict[str, str] = {}
+    # Program states the module holds (every function of a module sees the same list).
+    states: list[StateEntry] = []
 
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:

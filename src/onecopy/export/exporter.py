@@ -25,6 +25,7 @@ from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.lowering import LoweredBundle, StagedFunction, lower
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
+from onecopy.export.state import ProgramStates, StateBinding, collect_states
 from onecopy.program import (
     ConstantDef,
     ConstArg,
@@ -115,11 +116,18 @@ class _DelegatePartition:
     outputs_in_place: bool
     input_names: list[str]
     output_names: list[str]
+    # Program state: the globals read (in placeholder order, after the parameters), the results stored into them
+    # and the results returned (None: all). See onecopy.export.state.
+    states: list[StateBinding] = field(default_factory=list)  # every state the function reads or stores
+    state_reads: list[str] = field(default_factory=list)  # globals passed to the graph, after the parameters
+    updates: list[tuple[int, str]] = field(default_factory=list)
+    returned: list[int] | None = None
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
                               self.example_results, f"method '{self.method}', partition {self.index}",
-                              self.dynamic_args, self.dynamic_results or None, self.outputs_in_place)
+                              self.dynamic_args, self.dynamic_results or None, self.outputs_in_place,
+                              self.state_reads, self.updates, self.returned)
 
 
 @dataclass
@@ -135,6 +143,9 @@ class _MethodPlan:
     weights: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> table name
     constants: list[ConstantDef] = field(default_factory=list)
     instructions: list[Instruction] = field(default_factory=list)
+    states: dict[fx.Node, StateBinding] = field(default_factory=dict)  # state placeholder -> its state
+    updates: dict[fx.Node, StateBinding] = field(default_factory=dict)  # node holding a state's new value
+    user_outputs: set[fx.Node] = field(default_factory=set)
 
     def new_id(self) -> int:
         self.num_values += 1
@@ -198,24 +209,21 @@ def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
 
 def _plan_method(
     name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition],
-    memory_planned_outputs: bool,
+    memory_planned_outputs: bool, states: ProgramStates,
 ) -> MethodDef:
-    # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
-    ep = ep.run_decompositions()
+    # `ep` is decomposed to core ATen (export_program), as ExecuTorch's to_edge does: raw exports hold ops IREE
+    # cannot legalize.
     signature = ep.graph_signature
-    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-        mutated = list(signature.buffers_to_mutate.values()) + list(signature.user_inputs_to_mutate.values())
-        raise ExportError(
-            f"Method '{name}' mutates {', '.join(mutated)}; onecopy methods are pure functions. Export the model in "
-            "eval mode, or return the new state as an output."
-        )
+    uses = states.of_method(name)  # buffer fqn -> state name
     graph = ep.graph_module.graph
     plan = _MethodPlan(name, table, _symbol_ranges(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, signature.input_specs):
-        if spec.kind in _WEIGHT_KINDS:
+        if spec.kind == InputKind.BUFFER and spec.target in uses:
+            plan.states[node] = states.bindings[uses[spec.target]]
+        elif spec.kind in _WEIGHT_KINDS:
             tensor = ep.state_dict.get(spec.target)
             if tensor is None:
                 tensor = ep.constants[spec.target]
@@ -227,8 +235,22 @@ def _plan_method(
         else:
             raise ExportError(f"Method '{name}': input '{node.name}' of kind {spec.kind.name} is not supported.")
 
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    for value, spec in zip(output_node.args[0], signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in uses and isinstance(value, fx.Node):
+            plan.updates[value] = states.bindings[uses[spec.target]]
+        elif spec.kind == OutputKind.USER_OUTPUT and isinstance(value, fx.Node):
+            plan.user_outputs.add(value)
+    partitions = partitioner.partition(graph, name)
+    if plan.states and any(p.on_host for p in partitions):
+        host = next(op_name(p.nodes[0]) for p in partitions if p.on_host)
+        raise ExportError(
+            f"Method '{name}' keeps state ({', '.join(sorted({s.name for s in plan.states.values()}))}) and runs "
+            f"'{host}' on the host: a graph break inside a stateful method is not supported yet. Let the engine "
+            "take every op of this method (remove it from skip_ops, or register no host-only op)."
+        )
     delegate_index = 0
-    for partition in partitioner.partition(graph, name):
+    for partition in partitions:
         if partition.on_host:
             _plan_host_op(plan, partition.nodes[0])
             continue
@@ -237,10 +259,16 @@ def _plan_method(
             delegates.append(staged)
             delegate_index += 1
 
-    output_node = next(n for n in graph.nodes if n.op == "output")
     outputs: list[int] = []
     output_specs: list[TensorSpec] = []
     for value, spec in zip(output_node.args[0], signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in uses:
+            if value not in plan.ids:
+                raise ExportError(
+                    f"Method '{name}' sets state '{uses[spec.target]}' to a value the engine does not compute "
+                    f"('{getattr(value, 'name', value)}'); update the buffer with an op (e.g. copy_, index_copy_)."
+                )
+            continue
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
             raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
         outputs.append(plan.value(value))
@@ -257,6 +285,7 @@ def _plan_method(
         output_specs=output_specs,
         instructions=plan.instructions,
         constants=plan.constants,
+        states=sorted({s.name for s in plan.states.values()}),
     )
 
 
@@ -292,12 +321,13 @@ def _plan_delegate_partition(
     nodes = symbolic + partition.nodes
     members = set(nodes)
     weights: list[fx.Node] = []
+    state_reads: list[fx.Node] = []
     activations: list[fx.Node] = []
     for node in nodes:
         for source in node.all_input_nodes:
             if source in members:
                 continue
-            bucket = weights if source in plan.weights else activations
+            bucket = weights if source in plan.weights else state_reads if source in plan.states else activations
             if source not in bucket:
                 bucket.append(source)
     results = [
@@ -306,9 +336,21 @@ def _plan_delegate_partition(
     ]
     if not results:
         return None  # dead code: nothing outside uses it
+    # A state's new value is stored by the engine function itself; it is returned only when something else (a
+    # user output, a later op) reads it too.
+    updates = [(i, plan.updates[r].parameter) for i, r in enumerate(results) if r in plan.updates]
+    returned_nodes = [
+        r for r in results
+        if r not in plan.updates or r in plan.user_outputs
+        or any(u not in members and u.op != "output" for u in r.users)
+    ]
+    touched = [plan.states[s] for s in state_reads]
+    for r in results:
+        if r in plan.updates and plan.updates[r] not in touched:
+            touched.append(plan.updates[r])
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for source in weights + activations:
+    for source in weights + state_reads + activations:
         env[source] = graph.placeholder(source.name)
         env[source].meta = dict(source.meta)
     for node in nodes:
@@ -320,8 +362,10 @@ def _plan_delegate_partition(
     outputs = []
     for node in results:
         plan.ids[node] = plan.new_id()
-        outputs.append(plan.ids[node])
+        if node in returned_nodes:
+            outputs.append(plan.ids[node])
     plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
+    stateful = bool(touched)
     dynamic_results = _dynamic_shapes(activations + results, plan.ranges)
     return _DelegatePartition(
         method=plan.name,
@@ -336,12 +380,16 @@ def _plan_delegate_partition(
         # Caller-provided outputs (not memory planned) are written in place when the partition produces exactly
         # the method's outputs: the function takes their storage as arguments.
         outputs_in_place=(
-            not plan.memory_planned_outputs
+            not stateful and not plan.memory_planned_outputs
             and dynamic_results is not False
             and all(u.op == "output" for r in results for u in r.users if u not in members)
         ),
         input_names=[a.name for a in activations],
-        output_names=[r.name for r in results],
+        output_names=[r.name for r in returned_nodes],
+        states=touched,
+        state_reads=[plan.states[s].parameter for s in state_reads],
+        updates=updates,
+        returned=[results.index(r) for r in returned_nodes] if stateful else None,
     )
 
 
@@ -421,6 +469,46 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
+def state_groups(partitions: list[_DelegatePartition], specs: dict[str, CompileSpec]
+                 ) -> list[list[tuple[_DelegatePartition, str]]]:
+    """Bundles without multifunction: one per partition (function `main`), except that the partitions sharing a
+    state are staged together as `<method>_<i>` of one module: a state is a global of ONE module, which every
+    function updating it must be part of."""
+    groups: list[list[_DelegatePartition]] = []
+    owner: dict[str, int] = {}  # state parameter -> group index
+    for p in partitions:
+        joined = sorted({owner[s.parameter] for s in p.states if s.parameter in owner})
+        if not joined:
+            groups.append([p])
+            index = len(groups) - 1
+        else:
+            index = joined[0]
+            for other in joined[1:]:  # p links groups that were apart: merge them
+                groups[index].extend(groups[other])
+                groups[other] = []
+                for name, g in owner.items():
+                    if g == other:
+                        owner[name] = index
+            groups[index].append(p)
+        for s in p.states:
+            owner[s.parameter] = index
+    result = []
+    for group in (g for g in groups if g):
+        methods = sorted({p.method for p in group})
+        first = specs[methods[0]]
+        for m in methods[1:]:
+            if specs[m] != first:
+                raise ExportError(
+                    f"Methods '{methods[0]}' and '{m}' share state, so they are compiled as one module, but their "
+                    "compile specs differ. Give them the same CompileSpec."
+                )
+        if len(group) == 1 and not group[0].states:
+            result.append([(group[0], "main")])
+        else:
+            result.append([(p, f"{p.method}_{p.index}") for p in sorted(group, key=lambda p: p.delegate)])
+    return result
+
+
 def export_program(
     methods: Mapping[str, ExportedProgram],
     *,
@@ -456,9 +544,12 @@ def export_program(
 
     table = ParameterTable()
     partitions: list[_DelegatePartition] = []
+    # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
+    decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
+    states = collect_states(decomposed, {m: p.share_state for m, p in partitioners.items()}, table)
     method_defs = [
-        _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs)
-        for name, ep in methods.items()
+        _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs, states)
+        for name, ep in decomposed.items()
     ]
 
     store = NamedDataStore()
@@ -470,11 +561,13 @@ def export_program(
     if multifunction:
         groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
     else:
-        groups = [[(p, "main")] for p in partitions]
+        groups = state_groups(partitions, specs)
     for group in groups:
         compile_spec = specs[group[0][0].method]  # one spec per group: checked equal for multifunction
-        bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec)
-        used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
+        held = list({s.parameter: s for p, _ in group for s in p.states}.values())
+        bundle = lower([p.staged(function) for p, function in group], table.tensors, compile_spec, held)
+        used = list(dict.fromkeys([*(name for p, _ in group for name in p.parameters),
+                                   *(s.initial for s in held if s.initial is not None)]))
         export_hash, keys, encoders, bound = _deliver(bundle, table, used, store)
         for p, function in group:
             manifest: dict[str, Any] = {
@@ -494,10 +587,13 @@ def export_program(
                 manifest["encoders"] = encoders
             if multifunction:
                 manifest["multifunction"] = True
+            if held:
+                manifest["states"] = [s.manifest() for s in held]
             manifests[p.delegate] = manifest
     definition = ProgramDef(
         methods=method_defs,
         delegates=[DelegateDef(backend=BACKEND, manifest=m) for m in manifests],
         segments=[],
+        states=states.defs,
     )
     return ProgramFile(definition, store)

@@ -23,6 +23,7 @@ from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
+from onecopy.export.state import StateBinding, register_states, stage_helpers
 
 __all__ = ["StagedFunction", "LoweredBundle", "lower"]
 
@@ -42,6 +43,11 @@ class StagedFunction:
     dynamic_results: tuple | None = None
     # Destination-passing: the results are written into trailing output arguments instead of returned.
     outputs_in_place: bool = False
+    # Program state (onecopy.export.state): the globals read after the parameters, the results stored into them
+    # (result index -> global) and the results returned (None: all).
+    states: list[str] = field(default_factory=list)
+    updates: list[tuple[int, str]] = field(default_factory=list)
+    returned: list[int] | None = None
 
 
 @dataclass
@@ -69,6 +75,18 @@ def _stage(fxb, function: StagedFunction) -> None:
     def call(module, *args):
         return graph_module(*(getattr(module, name) for name in names), *args)
 
+    if function.states:
+        states, updates, returned = function.states, function.updates, function.returned
+
+        def call(module, *args):  # noqa: F811 (the stateful form)
+            results = graph_module(*(getattr(module, name) for name in names),
+                                   *(getattr(module, name) for name in states), *args)
+            for index, name in updates:
+                getattr(module, name).copy_(results[index])  # stored in place: the update runs on the global
+            kept = tuple(results[i] for i in returned) if returned is not None else tuple(results)
+            # An engine function cannot return nothing.
+            return kept if kept else args[0].new_zeros(()) if args else torch.zeros(())
+
     def call_in_place(module, *args):
         results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
         for out, result in zip(args[n_inputs:], results):
@@ -83,7 +101,8 @@ def _stage(fxb, function: StagedFunction) -> None:
     fxb.export_program(name=function.name, args=args, strict=False, dynamic_shapes=_varargs(dynamic))(fn)
 
 
-def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
+def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec,
+          states: Sequence[StateBinding] = ()) -> LoweredBundle:
     from iree.turbine import aot
 
     root = torch.nn.Module()
@@ -91,12 +110,18 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         for name in function.parameters:
             if not hasattr(root, name):
                 root.register_buffer(name, parameters[name])
+    for state in states:
+        if state.initial is not None and not hasattr(root, state.initial):
+            root.register_buffer(state.initial, parameters[state.initial])
+    register_states(root, list(states))
     aot.externalize_module_parameters(root, external_scope=PARAMETER_SCOPE)
     fxb = aot.FxProgramsBuilder(root)
     where = "; ".join(f.where for f in functions)
     try:
         for function in functions:
             _stage(fxb, function)
+        if states:
+            stage_helpers(fxb, list(states))
         exported = aot.export(fxb)
         buffer = io.BytesIO()
         exported.mlir_module.operation.write_bytecode(buffer)
@@ -107,7 +132,7 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
     if spec.packaging == "mlir":
         return LoweredBundle(spec.packaging, {PORTABLE: bytecode}, names)
     code, encoders = {}, {}
-    has_parameters = any(f.parameters for f in functions)
+    has_parameters = any(f.parameters for f in functions) or any(s.initial for s in states)
     for name in spec.targets:
         target = TARGETS[name]
         try:

@@ -12,6 +12,7 @@ from onecopy.program.schema import (
     MethodDef,
     ProgramDef,
     SegmentDef,
+    StateDef,
     TensorSpec,
     ValueArg,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "MethodDef",
     "ProgramDef",
     "SegmentDef",
+    "StateDef",
     "TensorSpec",
     "ValueArg",
 ]

@@ -8,11 +8,13 @@ from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import DelegateMeta, MethodMeta, TensorMeta
 from onecopy.runtime.program import Program, Runtime
+from onecopy.runtime.state import State
 
 __all__ = [
     "Runtime",
     "Program",
     "Method",
+    "State",
     "CopyStats",
     "MethodMeta",
     "TensorMeta",

@@ -1,0 +1,93 @@
+"""Program state in the IREE engine: one VM context per `State`, over the model's one module and parameters.
+
+A module that holds state (manifest field `states`) keeps each state as a mutable global, and a VM context holds
+its own copy of every global: so a context IS a state's storage, updated in place by each call made in it, and
+several contexts over one loaded model are independent states sharing one copy of the weights. The functions of
+all methods of the module (prefill, decode) run in the same context, which is how they share the cache. Nothing
+of a state crosses into Python per call; reads, writes and resets go through the module's helper functions
+(see onecopy.export.state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onecopy.delegate.manifest import StateEntry
+from onecopy.errors import ExecutionError
+from onecopy.runtime.copy_stats import CopyStats
+
+if TYPE_CHECKING:
+    from onecopy.delegate.engine import EngineFunction, LoadedModel
+
+__all__ = ["EngineState", "call_in_context"]
+
+
+def call_in_context(function: EngineFunction, context: Any, inputs: Sequence[np.ndarray],
+                    outputs: Sequence[np.ndarray | None], stats: CopyStats) -> list[np.ndarray]:
+    """`call_copied` in a given context (a state's) instead of one checked out of the pool."""
+    rt = function.rt
+    args = rt.VmVariantList(len(inputs))
+    copy_in = function.copy_in
+    for array in inputs:
+        args.push_ref(copy_in(array))
+        stats.copied_in += array.nbytes
+    results = rt.VmVariantList(max(len(outputs), 1))
+    try:
+        context.invoke(function.vm_function, args, results)
+    except RuntimeError as e:
+        raise function.engine_error(e) from e
+    view_type, copy_out = rt.HalBufferView, function.copy_out
+    return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
+
+
+class EngineState:
+    """The states of one loaded module for one `State`: a VM context of its own (never pooled)."""
+
+    def __init__(self, model: LoadedModel, entries: Sequence[StateEntry], where: str):
+        self.model = model
+        self.where = where
+        self.entries = {e.name: e for e in entries}
+        self.context = model.checkout()  # the load-time context when free: it was made for exactly this
+        self._functions: dict[str, Any] = {}
+        if any(e.initial is not None for e in entries):
+            self.reset()  # the globals start as zero splats; the initial values are copied in here
+
+    def _function(self, name: str) -> EngineFunction:
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = self.model.function(name)
+        return function
+
+    def _invoke(self, name: str, arrays: Sequence[np.ndarray] = ()) -> tuple[EngineFunction, Any]:
+        function = self._function(name)
+        rt = function.rt
+        args = rt.VmVariantList(len(arrays))
+        for array in arrays:
+            args.push_ref(function.copy_in(array))
+        results = rt.VmVariantList(1)
+        context = self.context
+        if context is None:
+            raise ExecutionError(f"{self.where}: this state was closed with its program; load the program again.")
+        try:
+            context.invoke(function.vm_function, args, results)
+        except RuntimeError as e:
+            raise function.engine_error(e) from e
+        return function, results
+
+    def read(self, name: str) -> np.ndarray:
+        entry = self.entries[name]
+        function, results = self._invoke(f"onecopy_read_{entry.parameter}")
+        return function.copy_out(results.get_as_object(0, function.rt.HalBufferView), None, CopyStats())
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        entry = self.entries[name]
+        self._invoke(f"onecopy_write_{entry.parameter}", [np.require(array, requirements="C")])
+
+    def reset(self) -> None:
+        self._invoke("onecopy_reset_states")
+
+    def close(self) -> None:
+        self.context = None  # its globals (the state's memory) go with it
