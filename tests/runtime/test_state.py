@@ -221,3 +221,21 @@ def test_write_checks_shape_and_dtype(prog):
     with pytest.raises(InvalidArgument, match="has no state 'nope'"):
         state.read("nope")
     assert isinstance(state, State)
+
+
+def test_a_dynamic_prefill_updates_state_at_every_size(accumulator, rng):
+    from onecopy.export import CompileSpec, export_program
+
+    tokens = torch.export.Dim("T", min=1, max=8)
+    ep = torch.export.export(accumulator, (torch.zeros(2, 16), torch.tensor([0, 1])),
+                             dynamic_shapes=({0: tokens}, {0: tokens}))
+    program = export_program({"prefill": ep}, compile_spec=CompileSpec(packaging="mlir"))
+    eager = Eager(accumulator)
+    with Runtime().load_program(program.to_bytes()) as prog:
+        prefill = prog.load_method("prefill")
+        for n, start in ((3, 0), (1, 3), (4, 4)):
+            x, pos = rows(rng, n), np.arange(start, start + n)
+            got, want = prefill.execute([x, pos]), eager(x, pos)
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+            assert int(got[1]) == int(want[1])
+        np.testing.assert_allclose(prog.default_state.read("cache"), eager.model.cache.numpy(), rtol=1e-5, atol=1e-5)

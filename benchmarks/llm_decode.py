@@ -1,0 +1,97 @@
+"""Decode latency per token of a tiny random Llama: onecopy (KV cache kept in the engine) vs torch eager with
+transformers' StaticCache, side by side in interleaved rounds, at two cache sizes (a step must not cost more
+with a larger cache: the update runs in place).
+
+    python benchmarks/llm_decode.py [--rounds 30] [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(config).eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--sizes", default="64,2048")
+    args = parser.parse_args()
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from onecopy import Runtime
+    from onecopy.llm import export_llm
+
+    model = tiny_llama()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ONECOPY_CACHE_DIR"] = str(Path(tmp) / "cache")
+        for size in (int(s) for s in args.sizes.split(",")):
+            path = export_llm(model, max_cache_len=size, prefill_tokens=8).save(Path(tmp) / f"llm{size}.onecopy")
+            prog = Runtime(cache_dir=Path(tmp) / "cache").load_program(path)
+            decode = prog.load_method("decode")
+            state = prog.create_state()
+            model.generation_config.cache_implementation = "static"
+            eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=size)
+            ids = np.array([[7]], np.int64)
+            tid = torch.from_numpy(ids)
+            positions = [p % size for p in range(args.calls)]
+
+            def run_onecopy():
+                for p in positions:
+                    decode.execute([ids, np.array([p])], state=state)
+
+            def run_torch():
+                with torch.no_grad():
+                    for p in positions:
+                        eager(input_ids=tid, cache_position=torch.tensor([p]))
+
+            peers = {"onecopy": run_onecopy, "torch": run_torch}
+            times = {name: [] for name in peers}
+            for fn in peers.values():  # warm-up
+                fn()
+            rng = random.Random(0)
+            for _ in range(args.rounds):
+                order = list(peers)
+                rng.shuffle(order)
+                for name in order:
+                    time.sleep(0.005)
+                    start = time.perf_counter()
+                    peers[name]()
+                    times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            paired = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch"]))
+            cache_mib = sum(state.read(n).nbytes for n in state.names()) / 2**20
+            rows.append({"max_cache_len": size, "cache_mib": round(cache_mib, 3),
+                         "ms_per_token": {k: round(v, 4) for k, v in medians.items()},
+                         "onecopy_over_torch": round(paired, 3)})
+            print(f"max_cache_len {size:5d} ({cache_mib:6.2f} MiB cache): onecopy {medians['onecopy']:.3f} ms/token, "
+                  f"torch eager {medians['torch']:.3f} ms/token, onecopy / torch {paired:.2f} (paired by round)")
+            prog.close()
+    out = Path(__file__).parent / "results" / "llm_decode.json"
+    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                               "load_avg": os.getloadavg(), "torch": torch.__version__, "rows": rows}, indent=2))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
