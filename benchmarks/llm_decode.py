@@ -63,7 +63,8 @@ def main() -> None:
             def run_torch():
                 with torch.no_grad():
                     for p in positions:
-                        eager(input_ids=tid, cache_position=torch.tensor([p]))
+                        # the inner module: the outer wrapper's forward drops cache_position (transformers 5.23)
+                        eager.model(input_ids=tid, cache_position=torch.tensor([p]))
 
             peers = {"onecopy": run_onecopy, "torch": run_torch}
             times = {name: [] for name in peers}

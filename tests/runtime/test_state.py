@@ -239,3 +239,14 @@ def test_a_dynamic_prefill_updates_state_at_every_size(accumulator, rng):
             np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
             assert int(got[1]) == int(want[1])
         np.testing.assert_allclose(prog.default_state.read("cache"), eager.model.cache.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_position_past_the_cache_wraps_instead_of_writing_past_it(prog, rng):
+    # IREE does not check scatter indices: unguarded, this wrote past the cache and corrupted the heap.
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    x = rows(rng, 1)
+    for _ in range(50):
+        decode.execute([x, np.array([8 * 1000 + 3])], state=state)
+    cache = state.read("cache")
+    assert cache[3].any() and not np.delete(cache, 3, axis=0).any()

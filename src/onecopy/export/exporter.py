@@ -25,7 +25,7 @@ from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.lowering import LoweredBundle, StagedFunction, lower
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
-from onecopy.export.state import ProgramStates, StateBinding, collect_states
+from onecopy.export.state import ProgramStates, StateBinding, collect_states, guard_index_writes
 from onecopy.program import (
     ConstantDef,
     ConstArg,
@@ -356,6 +356,8 @@ def _plan_delegate_partition(
     for node in nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in results))
+    if touched:
+        guard_index_writes(graph)
     graph_module = fx.GraphModule(torch.nn.Module(), graph)
 
     inputs = [plan.value(a) for a in activations]

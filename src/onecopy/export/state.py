@@ -17,11 +17,11 @@ over the one loaded module. What is measured and relied on here (see DESIGN.md, 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -183,5 +183,30 @@ def stage_helpers(fxb, states: list[StateBinding]) -> None:
     fxb.export_program(name="onecopy_reset_states", args=(), strict=False)(reset)
 
 
-def sanitize(name: str) -> str:
-    return re.sub(r"\W", "_", name)
+def guard_index_writes(graph: fx.Graph) -> int:
+    """Wrap the indices of every `index_put` into range (`remainder` by the indexed dimension's size) and return
+    how many it wrapped. IREE does not check them: a cache position past the end wrote past the cache's
+    allocation and corrupted the heap (glibc aborted the process at its next free). Wrapped, a bad position
+    overwrites a cache row instead, which `MethodDef.input_bounds` (onecopy.llm) refuses with an error first."""
+    wrapped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _INDEX_PUTS:
+            continue
+        target, indices = node.args[0], node.args[1]
+        shape = target.meta["val"].shape
+        guarded = []
+        for dim, index in enumerate(indices):
+            size = shape[dim] if dim < len(shape) else None
+            if not isinstance(index, fx.Node) or not isinstance(size, int) or index.meta["val"].dtype == torch.bool:
+                guarded.append(index)
+                continue
+            with graph.inserting_before(node):
+                safe = graph.call_function(torch.ops.aten.remainder.Scalar, (index, size))
+            safe.meta = dict(index.meta)
+            guarded.append(safe)
+            wrapped += 1
+        node.args = (target, guarded, *node.args[2:])
+    return wrapped
+
+
+_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
