@@ -82,6 +82,7 @@ def test_a_fork_continues_as_the_original_would(llama_path):
 def test_a_cache_position_past_max_cache_len_is_a_clear_error(llama_path):
     with Runtime().load_program(llama_path) as prog:
         decode = prog.load_method("decode")
+        decode.execute([np.array([[1]], np.int64), np.array([MAX_CACHE - 1])])  # the fast path is taken next
         with pytest.raises(ExecutionError, match=f"holds {MAX_CACHE}, outside \\[0, {MAX_CACHE - 1}\\].*max_cache_len"):
             decode.execute([np.array([[1]], np.int64), np.array([MAX_CACHE])])
         prefill = prog.load_method("prefill")

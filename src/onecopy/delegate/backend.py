@@ -49,6 +49,7 @@ class IreeDelegate(DelegateHandle):
         self.manifest = manifest
         self.shared = shared
         self.owned_surfaces: list[Any] = []
+        self._state_names = tuple(e.name for e in manifest.states)
 
     def execute(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
@@ -97,7 +98,15 @@ class IreeDelegate(DelegateHandle):
     # Program state (onecopy.delegate.state): the module's states live in a VM context per `State`.
     @property
     def state_names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.manifest.states)
+        return self._state_names
+
+    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int):
+        from onecopy.delegate.state import state_copied_call
+
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        return state_copied_call(function, inputs, outputs)
 
     def state_domain(self) -> Any:
         model = self.model

@@ -22,7 +22,7 @@ from onecopy.runtime.copy_stats import CopyStats
 if TYPE_CHECKING:
     from onecopy.delegate.engine import EngineFunction, LoadedModel
 
-__all__ = ["EngineState", "call_in_context"]
+__all__ = ["EngineState", "call_in_context", "state_copied_call"]
 
 
 def call_in_context(function: EngineFunction, context: Any, inputs: Sequence[np.ndarray],
@@ -41,6 +41,40 @@ def call_in_context(function: EngineFunction, context: Any, inputs: Sequence[np.
         raise function.engine_error(e) from e
     view_type, copy_out = rt.HalBufferView, function.copy_out
     return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
+
+
+def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: int):
+    """`call_in_context` specialized for inputs shaped as `inputs` (as `EngineFunction.copied_call` is for the
+    pool): element types, byte counts and bound methods looked up once. Returns `call(state, arrays, stats)`."""
+    rt, model = function.rt, function.model
+    device = model.device
+    allocate = device.allocator.allocate_buffer_copy
+    memory_type, usage = function._memory_type, function._usage
+    element_types = tuple(function._element_type(array.dtype) for array in inputs)
+    bytes_in = sum(int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize for array in inputs)
+    vm_function, engine_error = function.vm_function, function.engine_error
+    variant_list, view_type = rt.VmVariantList, rt.HalBufferView
+    copy_out, indices = function.copy_out, range(outputs)
+    count, result_count = len(inputs), max(outputs, 1)
+
+    def call(state: EngineState, arrays: Sequence[np.ndarray], stats: CopyStats) -> list[np.ndarray]:
+        context = state.context
+        if context is None:
+            raise ExecutionError(f"{state.where}: this state was closed with its program; load the program again.")
+        args = variant_list(count)
+        for array, element_type in zip(arrays, element_types):
+            args.push_ref(allocate(memory_type=memory_type, allowed_usage=usage, device=device,
+                                   buffer=array if array.flags.c_contiguous else np.ascontiguousarray(array),
+                                   element_type=element_type))
+        stats.copied_in += bytes_in
+        results = variant_list(result_count)
+        try:
+            context.invoke(vm_function, args, results)
+        except RuntimeError as e:
+            raise engine_error(e) from e
+        return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
+
+    return call
 
 
 class EngineState:

@@ -115,6 +115,13 @@ class DelegateHandle(abc.ABC):
         """`execute` on the states of `state` (made by `create_state` of a delegate of the same domain)."""
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
 
+    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
+                          ) -> Callable[[Any, Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+        """`execute_with_state` for inputs shaped as `inputs`, nothing bound, `outputs` results returned: a
+        callable taking (backend state, arrays, stats), made once per input signature (see `copied_call`)."""
+        nothing: list[None] = [None] * outputs
+        return lambda state, arrays, stats: self.execute_with_state(state, arrays, nothing, stats)
+
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release engine resources. Called once, by `Program.close()`."""
