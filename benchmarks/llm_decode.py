@@ -66,7 +66,25 @@ def main() -> None:
                         # the inner module: the outer wrapper's forward drops cache_position (transformers 5.23)
                         eager.model(input_ids=tid, cache_position=torch.tensor([p]))
 
-            peers = {"onecopy": run_onecopy, "torch": run_torch}
+            # The same engine function called raw, in a context of its own (another State's): what onecopy adds.
+            whole = decode._whole_call
+            handle = decode._delegates[whole.delegate]
+            function, raw_state = handle._function, handle.create_state()
+            order = [decode._definition.inputs.index(v) for v in whole.inputs]
+            rt = function.rt
+
+            def run_raw():
+                for p in positions:
+                    arrays = [ids, np.array([p])]
+                    args = rt.VmVariantList(2)
+                    for i in order:
+                        args.push_ref(function.copy_in(arrays[i]))
+                    results = rt.VmVariantList(1)
+                    raw_state.context.invoke(function.vm_function, args, results)
+                    view = results.get_as_object(0, rt.HalBufferView)
+                    np.array(view.map().asarray(tuple(view.shape), np.dtype(np.float32)))
+
+            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch}
             times = {name: [] for name in peers}
             for fn in peers.values():  # warm-up
                 fn()
@@ -81,12 +99,14 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) / args.calls * 1e3)
             medians = {name: statistics.median(t) for name, t in times.items()}
             paired = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch"]))
+            over_raw = statistics.median(a / b for a, b in zip(times["onecopy"], times["raw IREE"]))
             cache_mib = sum(state.read(n).nbytes for n in state.names()) / 2**20
             rows.append({"max_cache_len": size, "cache_mib": round(cache_mib, 3),
                          "ms_per_token": {k: round(v, 4) for k, v in medians.items()},
-                         "onecopy_over_torch": round(paired, 3)})
+                         "onecopy_over_torch": round(paired, 3), "onecopy_over_raw_iree": round(over_raw, 3)})
             print(f"max_cache_len {size:5d} ({cache_mib:6.2f} MiB cache): onecopy {medians['onecopy']:.3f} ms/token, "
-                  f"torch eager {medians['torch']:.3f} ms/token, onecopy / torch {paired:.2f} (paired by round)")
+                  f"raw IREE {medians['raw IREE']:.3f}, torch eager {medians['torch']:.3f}; onecopy / torch "
+                  f"{paired:.3f}, onecopy / raw IREE {over_raw:.3f} (paired by round)")
             prog.close()
     out = Path(__file__).parent / "results" / "llm_decode.json"
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),

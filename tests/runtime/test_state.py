@@ -250,3 +250,15 @@ def test_a_position_past_the_cache_wraps_instead_of_writing_past_it(prog, rng):
         decode.execute([x, np.array([8 * 1000 + 3])], state=state)
     cache = state.read("cache")
     assert cache[3].any() and not np.delete(cache, 3, axis=0).any()
+
+
+def test_writing_one_state_keeps_the_others(prog, rng):
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    decode.execute([rows(rng, 1), np.array([2])], state=state)  # the engine holds the state from here on
+    cache, total = state.read("cache"), state.read("total")
+    state.write("steps", np.int64(41))
+    assert int(state.read("steps")) == 41
+    np.testing.assert_array_equal(state.read("cache"), cache)
+    np.testing.assert_array_equal(state.read("total"), total)
+    assert int(decode.execute([rows(rng, 1), np.array([3])], state=state)[1]) == 42

@@ -37,8 +37,8 @@ PARAMETER_SCOPE = "model"
 class StateEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A program state held by the module as a mutable global (see onecopy.export.state): served as a zero splat
     of `nbytes` under `parameter` (scope `model`); `initial` names the parameter its reset copies in (absent:
-    zeros). Read, written and reset through the module's `onecopy_read_<parameter>`, `onecopy_write_<parameter>` and
-    `onecopy_reset_states` functions."""
+    zeros). Read, written and reset, all states of the module at once in the order of the manifest's list, by its
+    functions `onecopy_read_states`, `onecopy_write_states` and `onecopy_reset_states`."""
 
     name: str
     parameter: str

@@ -95,30 +95,39 @@ class EngineState:
             function = self._functions[name] = self.model.function(name)
         return function
 
-    def _invoke(self, name: str, arrays: Sequence[np.ndarray] = ()) -> tuple[EngineFunction, Any]:
+    def _invoke(self, name: str, arrays: Sequence[np.ndarray] = (), results: int = 1) -> tuple[EngineFunction, Any]:
         function = self._function(name)
         rt = function.rt
         args = rt.VmVariantList(len(arrays))
         for array in arrays:
             args.push_ref(function.copy_in(array))
-        results = rt.VmVariantList(1)
+        out = rt.VmVariantList(results)
         context = self.context
         if context is None:
             raise ExecutionError(f"{self.where}: this state was closed with its program; load the program again.")
         try:
-            context.invoke(function.vm_function, args, results)
+            context.invoke(function.vm_function, args, out)
         except RuntimeError as e:
             raise function.engine_error(e) from e
-        return function, results
+        return function, out
+
+    def read_all(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Copies of the states `names` (None: all). The engine clones every state; only `names` are copied out."""
+        order = list(self.entries)
+        function, results = self._invoke("onecopy_read_states", results=len(order))
+        view = function.rt.HalBufferView
+        return {name: function.copy_out(results.get_as_object(order.index(name), view), None, CopyStats())
+                for name in (names if names is not None else order)}
 
     def read(self, name: str) -> np.ndarray:
-        entry = self.entries[name]
-        function, results = self._invoke(f"onecopy_read_{entry.parameter}")
-        return function.copy_out(results.get_as_object(0, function.rt.HalBufferView), None, CopyStats())
+        return self.read_all([name])[name]
 
-    def write(self, name: str, array: np.ndarray) -> None:
-        entry = self.entries[name]
-        self._invoke(f"onecopy_write_{entry.parameter}", [np.require(array, requirements="C")])
+    def write(self, values: dict[str, np.ndarray]) -> None:
+        """Set the states in `values`; the others keep theirs (read and written back)."""
+        missing = [name for name in self.entries if name not in values]
+        current = self.read_all(missing) if missing else {}
+        arrays = [np.require(values[n] if n in values else current[n], requirements="C") for n in self.entries]
+        self._invoke("onecopy_write_states", arrays)
 
     def reset(self) -> None:
         self._invoke("onecopy_reset_states")

@@ -107,7 +107,8 @@ class DelegateHandle(abc.ABC):
 
     def create_state(self) -> Any:
         """A new backend state holding every state of this delegate's domain at its initial value. It has
-        `read(name) -> np.ndarray`, `write(name, array)`, `reset()` and `close()`."""
+        `read(name) -> np.ndarray`, `read_all() -> {name: array}`, `write({name: array})`, `reset()` and
+        `close()`."""
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
 
     def execute_with_state(self, state: Any, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],

@@ -102,7 +102,7 @@ class State:
             array = self._checked(name, value, "State.write")
             backend = self._by_name.get(name)
             if backend is not None:
-                backend.write(name, array)
+                backend.write({name: array})
             else:
                 self._pending[name] = array.copy()
 
@@ -130,16 +130,26 @@ class State:
         with self._lock:
             self._check()
             fork = self._program.create_state()
-            for name in self._defs:
-                fork._pending[name] = self.read(name)
+            fork._pending = self._values()
             return fork
+
+    def _values(self) -> dict[str, np.ndarray]:
+        """Copies of every state: one engine read per module holding some."""
+        values: dict[str, np.ndarray] = {}
+        for _, backend in self._domains.values():
+            values.update(backend.read_all())
+        for name in self._defs:
+            if name not in values:
+                pending = self._pending.get(name)
+                values[name] = pending.copy() if pending is not None else self._initial(name)
+        return {name: values[name] for name in self._defs}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write every state to `path` (numpy .npz) atomically: never a half-written file."""
         target = Path(path)
         with self._lock:
             self._check()
-            values = {name: self.read(name) for name in self._defs}
+            values = self._values()
         directory = target.parent if str(target.parent) else Path(".")
         if not directory.is_dir():
             raise InvalidArgument(f"Cannot save the state to '{target}': directory '{directory}' does not exist.")
@@ -180,10 +190,10 @@ class State:
         if known is not None and known[0] is domain:
             return known[1]
         backend = handle.create_state()
+        pending = {name: self._pending.pop(name) for name in handle.state_names if name in self._pending}
+        if pending:
+            backend.write(pending)
         for name in handle.state_names:
-            value = self._pending.pop(name, None)
-            if value is not None:
-                backend.write(name, value)
             self._by_name[name] = backend
         self._domains[id(domain)] = (domain, backend)
         return backend
