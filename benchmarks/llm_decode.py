@@ -70,14 +70,14 @@ def main() -> None:
             whole = decode._whole_call
             handle = decode._delegates[whole.delegate]
             function, raw_state = handle._function, handle.create_state()
-            order = [decode._definition.inputs.index(v) for v in whole.inputs]
+            arg_order = [decode._definition.inputs.index(v) for v in whole.inputs]
             rt = function.rt
 
             def run_raw():
                 for p in positions:
                     arrays = [ids, np.array([p])]
                     args = rt.VmVariantList(2)
-                    for i in order:
+                    for i in arg_order:
                         args.push_ref(function.copy_in(arrays[i]))
                     results = rt.VmVariantList(1)
                     raw_state.context.invoke(function.vm_function, args, results)

@@ -194,8 +194,8 @@ def accumulator():
     return Accumulator()
 
 
-@pytest.fixture(scope="session", params=[("mlir", True), ("mlir", False), ("vmfb", True)],
-                ids=["mlir-multifunction", "mlir-single", "vmfb-multifunction"])
+@pytest.fixture(scope="session", params=[("mlir", True), ("mlir", False), ("vmfb", True), ("vmfb", False)],
+                ids=["mlir-multifunction", "mlir-single", "vmfb-multifunction", "vmfb-single"])
 def stateful_program(request, accumulator, tmp_path_factory):
     """The Accumulator's prefill + decode as one program: (path, packaging, multifunction)."""
     from onecopy.export import Partitioner

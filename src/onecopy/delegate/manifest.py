@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from onecopy.errors import DelegateError
 
@@ -92,6 +93,16 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
     if manifest.encoders and manifest.packaging != "vmfb":
         raise DelegateError(f"{where}: field `encoders` applies to vmfb manifests only, this one is {manifest.packaging}. "
                             "Re-export the program.")
+    for state in manifest.states:
+        try:
+            itemsize = np.dtype(state.dtype).itemsize
+        except TypeError:
+            raise DelegateError(f"{where}: state '{state.name}' has unknown dtype '{state.dtype}'. Re-export the program.") from None
+        if state.nbytes != int(np.prod(state.shape, dtype=np.int64)) * itemsize or min(state.shape, default=0) < 0:
+            raise DelegateError(
+                f"{where}: state '{state.name}' says {state.nbytes} bytes, but {state.dtype}{state.shape} takes "
+                f"{int(np.prod(state.shape, dtype=np.int64)) * itemsize}. Re-export the program."
+            )
     strays = sorted(set(manifest.encoders) - set(manifest.bundle))
     if strays:
         raise DelegateError(
