@@ -60,10 +60,23 @@ def test_share_state_false_keeps_a_methods_state_its_own(accumulator):
     assert names == ["cache", "decode.cache", "decode.steps", "decode.total", "steps", "total"]
 
 
-def test_a_graph_break_in_a_stateful_method_is_refused(accumulator):
-    with pytest.raises(ExportError, match="graph break inside a stateful method is not supported yet"):
-        export_program(accumulator_methods(accumulator), compile_spec=CompileSpec(packaging="mlir"),
-                       partitioner=Partitioner(skip_ops=("aten.clone.default",)))
+class ReadsStateOnTheHost(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 8))
+
+    def forward(self, x, pos):
+        before = torch.tanh(self.cache)  # tanh on the host would need the cache in Python
+        self.cache.index_copy_(0, pos, x)
+        return before.sum(0) + self.cache.sum(0)
+
+
+def test_a_host_op_reading_state_is_refused():
+    ep = torch.export.export(ReadsStateOnTheHost(), (torch.zeros(1, 8), torch.tensor([0])))
+    with pytest.raises(ExportError, match="host op 'aten.tanh.default' .* reads state 'cache', which only the "
+                                          "engine holds"):
+        export_program({"decode": ep}, compile_spec=CompileSpec(packaging="mlir"),
+                       partitioner=Partitioner(skip_ops=("aten.tanh.default",)))
 
 
 class UpdatesItsInput(torch.nn.Module):

@@ -262,3 +262,44 @@ def test_writing_one_state_keeps_the_others(prog, rng):
     np.testing.assert_array_equal(state.read("cache"), cache)
     np.testing.assert_array_equal(state.read("total"), total)
     assert int(decode.execute([rows(rng, 1), np.array([3])], state=state)[1]) == 42
+
+
+class BreaksBetween(torch.nn.Module):
+    """A graph break between a cache update and the ops reading the updated cache (relu on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(64, 16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, self.proj(x))
+        h = torch.relu(self.cache.sum(0, keepdim=True))
+        self.steps.add_(1)
+        return h + self.cache.mean(0, keepdim=True) * self.steps, self.steps.clone()
+
+
+@pytest.mark.parametrize("multifunction", [True, False], ids=["multifunction", "single"])
+def test_a_graph_break_in_a_stateful_method_reads_the_cache_from_the_engine(multifunction, rng):
+    from onecopy.export import CompileSpec, Partitioner, export_program
+
+    torch.manual_seed(0)
+    model = BreaksBetween()
+    methods = {"decode": torch.export.export(model, (torch.zeros(1, 16), torch.tensor([0])))}
+    program = export_program(methods, compile_spec=CompileSpec(packaging="mlir"),
+                             partitioner=Partitioner(multifunction=multifunction, skip_ops=("aten.relu.default",)))
+    assert len([i for i in program.definition.methods[0].instructions if type(i).__name__ == "DelegateCall"]) == 2
+    eager = copy.deepcopy(model)
+    with Runtime().load_program(program.to_bytes()) as prog:
+        decode = prog.load_method("decode")
+        for pos in (0, 5, 9):
+            x = rows(rng, 1)
+            got = decode.execute([x, np.array([pos])])
+            with torch.no_grad():
+                want = eager(torch.from_numpy(x), torch.tensor([pos]))
+            np.testing.assert_allclose(got[0], want[0].numpy(), rtol=1e-5, atol=1e-5)
+            assert int(got[1]) == int(want[1])
+        stats = decode.last_copy_stats
+        assert stats.copied < 64 * 16 * 4  # the small values around the host op, never the cache
+        np.testing.assert_allclose(prog.default_state.read("cache"), eager.cache.numpy(), rtol=1e-5, atol=1e-5)

@@ -146,6 +146,23 @@ class _MethodPlan:
     states: dict[fx.Node, StateBinding] = field(default_factory=dict)  # state placeholder -> its state
     updates: dict[fx.Node, StateBinding] = field(default_factory=dict)  # node holding a state's new value
     user_outputs: set[fx.Node] = field(default_factory=set)
+    host_nodes: set[fx.Node] = field(default_factory=set)
+    stored: set[str] = field(default_factory=set)  # globals an earlier partition of the method has stored
+
+    def global_of(self, node: fx.Node) -> StateBinding | None:
+        """The state whose global holds `node`'s value when a partition runs: a state read before any partition
+        stored it, or a state's new value once its partition stored it."""
+        binding = self.states.get(node)
+        if binding is not None:
+            if binding.parameter in self.stored:
+                raise ExportError(
+                    f"Method '{self.name}' reads state '{binding.name}' as it was before the call after a partition "
+                    "stored its new value (a graph break between the update and the read); move the host op, or "
+                    "read the state before updating it in the same partition."
+                )
+            return binding
+        binding = self.updates.get(node)
+        return binding if binding is not None and binding.parameter in self.stored else None
 
     def new_id(self) -> int:
         self.num_values += 1
@@ -242,13 +259,15 @@ def _plan_method(
         elif spec.kind == OutputKind.USER_OUTPUT and isinstance(value, fx.Node):
             plan.user_outputs.add(value)
     partitions = partitioner.partition(graph, name)
-    if plan.states and any(p.on_host for p in partitions):
-        host = next(op_name(p.nodes[0]) for p in partitions if p.on_host)
-        raise ExportError(
-            f"Method '{name}' keeps state ({', '.join(sorted({s.name for s in plan.states.values()}))}) and runs "
-            f"'{host}' on the host: a graph break inside a stateful method is not supported yet. Let the engine "
-            "take every op of this method (remove it from skip_ops, or register no host-only op)."
-        )
+    plan.host_nodes = {p.nodes[0] for p in partitions if p.on_host}
+    for node in plan.host_nodes:
+        read = next((a for a in node.all_input_nodes if a in plan.states), None)
+        if read is not None:
+            raise ExportError(
+                f"Method '{name}': host op '{op_name(node)}' (node '{node.name}') reads state "
+                f"'{plan.states[read].name}', which only the engine holds. Let the engine take this op (remove it "
+                "from skip_ops)."
+            )
     delegate_index = 0
     for partition in partitions:
         if partition.on_host:
@@ -327,7 +346,7 @@ def _plan_delegate_partition(
         for source in node.all_input_nodes:
             if source in members:
                 continue
-            bucket = weights if source in plan.weights else state_reads if source in plan.states else activations
+            bucket = weights if source in plan.weights else state_reads if plan.global_of(source) else activations
             if source not in bucket:
                 bucket.append(source)
     results = [
@@ -339,12 +358,14 @@ def _plan_delegate_partition(
     # A state's new value is stored by the engine function itself; it is returned only when something else (a
     # user output, a later op) reads it too.
     updates = [(i, plan.updates[r].parameter) for i, r in enumerate(results) if r in plan.updates]
+    # A later partition reads a stored value from its global; only a host op or the caller needs it returned.
     returned_nodes = [
         r for r in results
         if r not in plan.updates or r in plan.user_outputs
-        or any(u not in members and u.op != "output" for u in r.users)
+        or any(u not in members and u in plan.host_nodes for u in r.users)
     ]
-    touched = [plan.states[s] for s in state_reads]
+    read_globals = [plan.global_of(s) for s in state_reads]  # before this partition's own stores count
+    touched = list(read_globals)
     for r in results:
         if r in plan.updates and plan.updates[r] not in touched:
             touched.append(plan.updates[r])
@@ -368,6 +389,7 @@ def _plan_delegate_partition(
             outputs.append(plan.ids[node])
     plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
     stateful = bool(touched)
+    plan.stored.update(parameter for _, parameter in updates)
     dynamic_results = _dynamic_shapes(activations + results, plan.ranges)
     return _DelegatePartition(
         method=plan.name,
@@ -389,7 +411,7 @@ def _plan_delegate_partition(
         input_names=[a.name for a in activations],
         output_names=[r.name for r in returned_nodes],
         states=touched,
-        state_reads=[plan.states[s].parameter for s in state_reads],
+        state_reads=[g.parameter for g in read_globals],
         updates=updates,
         returned=[results.index(r) for r in returned_nodes] if stateful else None,
     )
