@@ -30,6 +30,47 @@ def tiny_llama():
     return LlamaForCausalLM(config).eval()
 
 
+class _Step(torch.nn.Module):
+    """One Linear(1024) and an index_copy_ of its result into a cache of `rows` x 1024 (f32)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(1024, 1024, bias=False)
+        self.register_buffer("cache", torch.zeros(rows, 1024))
+
+    def forward(self, x, pos):
+        y = self.w(x)
+        self.cache.index_copy_(0, pos, y)
+        return y.sum(-1)
+
+
+def update_scaling(sizes=(2048, 32768)) -> list[dict]:
+    """A step's cost with an 8 MiB and a 128 MiB cache, same weights: the update runs in place, so ~equal."""
+    from onecopy import Runtime
+    from onecopy.export import CompileSpec, export_program
+
+    rows = []
+    for n in sizes:
+        torch.manual_seed(0)
+        ep = torch.export.export(_Step(n), (torch.zeros(1, 1024), torch.tensor([0])))
+        program = export_program({"step": ep}, compile_spec=CompileSpec(packaging="mlir"))
+        with Runtime().load_program(program.to_bytes()) as prog:
+            step, state = prog.load_method("step"), prog.create_state()
+            x = np.ones((1, 1024), np.float32)
+            for i in range(20):
+                step.execute([x, np.array([i])], state=state)
+            blocks = []
+            for _ in range(7):
+                start = time.perf_counter()
+                for i in range(50):
+                    step.execute([x, np.array([(i * 7) % n])], state=state)
+                blocks.append((time.perf_counter() - start) / 50 * 1e3)
+        mib = n * 1024 * 4 / 2**20
+        rows.append({"cache_mib": mib, "ms_per_step": round(statistics.median(blocks), 4)})
+        print(f"in-place update, cache {mib:5.0f} MiB: {statistics.median(blocks):.3f} ms/step")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
@@ -108,9 +149,11 @@ def main() -> None:
                   f"raw IREE {medians['raw IREE']:.3f}, torch eager {medians['torch']:.3f}; onecopy / torch "
                   f"{paired:.3f}, onecopy / raw IREE {over_raw:.3f} (paired by round)")
             prog.close()
+    scaling = update_scaling()
     out = Path(__file__).parent / "results" / "llm_decode.json"
     out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                               "load_avg": os.getloadavg(), "torch": torch.__version__, "rows": rows}, indent=2))
+                               "load_avg": os.getloadavg(), "torch": torch.__version__, "rows": rows,
+                               "update_vs_cache_size": scaling}, indent=2))
     print("wrote", out)
 
 

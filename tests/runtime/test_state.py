@@ -303,3 +303,11 @@ def test_a_graph_break_in_a_stateful_method_reads_the_cache_from_the_engine(mult
         stats = decode.last_copy_stats
         assert stats.copied < 64 * 16 * 4  # the small values around the host op, never the cache
         np.testing.assert_allclose(prog.default_state.read("cache"), eager.cache.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_state_says_so(prog, rng):
+    state = prog.create_state()
+    prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=state)
+    state.close()
+    with pytest.raises(ExecutionError, match="This State was closed \\(State.close\\(\\)\\)"):
+        prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=state)

@@ -68,6 +68,8 @@ class State:
         return list(self._defs)
 
     def _check(self, name: str | None = None) -> None:
+        if self._closed and not self._program.closed:
+            raise ExecutionError("This State was closed (State.close()); create a new one with program.create_state().")
         if self._closed or self._program.closed:
             raise ExecutionError(
                 f"This State belongs to program '{self._program.source}', which is closed; load the program again "
