@@ -75,17 +75,16 @@ def _stage(fxb, function: StagedFunction) -> None:
     def call(module, *args):
         return graph_module(*(getattr(module, name) for name in names), *args)
 
-    if function.states:
-        states, updates, returned = function.states, function.updates, function.returned
+    states, updates, returned = function.states, function.updates, function.returned
 
-        def call(module, *args):  # noqa: F811 (the stateful form)
-            results = graph_module(*(getattr(module, name) for name in names),
-                                   *(getattr(module, name) for name in states), *args)
-            for index, name in updates:
-                getattr(module, name).copy_(results[index])  # stored in place: the update runs on the global
-            kept = tuple(results[i] for i in returned) if returned is not None else tuple(results)
-            # An engine function cannot return nothing.
-            return kept if kept else args[0].new_zeros(()) if args else torch.zeros(())
+    def call_with_state(module, *args):
+        results = graph_module(*(getattr(module, name) for name in names),
+                               *(getattr(module, name) for name in states), *args)
+        for index, name in updates:
+            getattr(module, name).copy_(results[index])  # stored in place: the update runs on the global
+        kept = tuple(results[i] for i in returned) if returned is not None else tuple(results)
+        # An engine function cannot return nothing.
+        return kept if kept else args[0].new_zeros(()) if args else torch.zeros(())
 
     def call_in_place(module, *args):
         results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
@@ -97,7 +96,8 @@ def _stage(fxb, function: StagedFunction) -> None:
         args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
         dynamic, fn = function.dynamic_results, call_in_place
     else:
-        args, dynamic, fn = function.example_args, function.dynamic_args, call
+        args, dynamic = function.example_args, function.dynamic_args
+        fn = call_with_state if states or updates else call
     fxb.export_program(name=function.name, args=args, strict=False, dynamic_shapes=_varargs(dynamic))(fn)
 
 

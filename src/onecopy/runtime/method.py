@@ -151,7 +151,7 @@ class Method:
             found.update(handle.bound_surfaces)
         return found
 
-    _program: Any = None  # the Program that loaded this method (set by Program.load_method)
+    _program: Any = None  # weakref to the Program that loaded this method (set by Program.load_method)
 
     def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
                 state: Any = None) -> list[np.ndarray]:

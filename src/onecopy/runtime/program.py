@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ class Program:
                 )
                 handles[ins.delegate] = backend.init(context, delegate.manifest)
             method = Method(definition, meta, handles, self._file.named_data, self._closed)
-            method._program = self
+            method._program = weakref.ref(self)  # as `_closed`: holding a method does not keep its program open
         except BaseException:
             for handle in handles.values():
                 handle.destroy()

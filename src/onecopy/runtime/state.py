@@ -293,9 +293,12 @@ def _remember(method: Method, inputs: Sequence[Any]) -> None:
 def execute_stateful(method: Method, inputs: Sequence[Any], outputs: Sequence[Any] | None,
                      state: State | None) -> list[np.ndarray]:
     """Run a method on `state` (None: its program's default state)."""
-    program = method._program
-    if program is None:
+    reference = method._program
+    if reference is None:
         raise InvalidArgument(f"Method '{method.name}' was not loaded by a Program; it cannot take state=.")
+    program = reference()
+    if program is None:  # collected, hence closed
+        raise ExecutionError(f"Method '{method.name}' belongs to a closed program; load the program again.")
     if not method._definition.states:
         raise InvalidArgument(f"Method '{method.name}' keeps no state; call it without state=.")
     if state is None:
