@@ -311,3 +311,13 @@ def test_a_closed_state_says_so(prog, rng):
     state.close()
     with pytest.raises(ExecutionError, match="This State was closed \\(State.close\\(\\)\\)"):
         prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=state)
+
+
+def test_outputs_written_into_caller_storage(prog, rng):
+    decode = prog.load_method("decode")
+    state, twin = prog.create_state(), prog.create_state()
+    x = rows(rng, 1)
+    out = np.full((1, 16), np.nan, np.float32)
+    got = decode.execute([x, np.array([1])], outputs=[out, None], state=state)
+    assert got[0] is out
+    np.testing.assert_array_equal(out, decode.execute([x, np.array([1])], state=twin)[0])
