@@ -79,7 +79,7 @@ def test_a_fork_continues_as_the_original_would(llama_path):
         assert first + a[:5] == list(generate(prog, prompt, 6))
 
 
-def test_a_cache_position_past_max_cache_len_is_a_clear_error(llama_path):
+def test_a_cache_position_past_max_cache_len_or_a_token_past_the_vocabulary_is_a_clear_error(llama_path):
     with Runtime().load_program(llama_path) as prog:
         decode = prog.load_method("decode")
         decode.execute([np.array([[1]], np.int64), np.array([MAX_CACHE - 1])])  # the fast path is taken next
@@ -88,6 +88,8 @@ def test_a_cache_position_past_max_cache_len_is_a_clear_error(llama_path):
         prefill = prog.load_method("prefill")
         with pytest.raises(ExecutionError, match="outside"):
             prefill.execute([np.zeros((1, PREFILL), np.int64), np.arange(MAX_CACHE - 2, MAX_CACHE - 2 + PREFILL)])
+        with pytest.raises(ExecutionError, match="Input 0 of method 'decode' holds 128, outside \\[0, 127\\]"):
+            decode.execute([np.array([[128]], np.int64), np.array([3])])  # a token id past the vocabulary
 
 
 def test_sampling_is_reproducible_with_a_seed(llama_path):

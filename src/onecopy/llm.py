@@ -10,7 +10,7 @@
 `export_llm` exports transformers' `TorchExportableModuleForDecoderOnlyLM` (a `StaticCache` registered as buffers)
 at two shapes, `prefill` (1 x prefill_tokens) and `decode` (1 x 1), as one program whose states are the cache.
 Both take `(input_ids int64 [1, T], cache_position int64 [T])` and return logits `[1, T, vocab]`; a cache position
-outside `[0, max_cache_len)` is refused before the engine runs.
+outside `[0, max_cache_len)`, or a token id outside the vocabulary, is refused before the engine runs.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def export_llm(model: Any, *, max_cache_len: int, prefill_tokens: int, partition
     program = export_program(methods, partitioner=partitioner or Partitioner(multifunction=True),
                              compile_spec=compile_spec or CompileSpec(packaging="mlir"))
     definition = program.definition
-    bounded = [msgspec.structs.replace(m, input_bounds={1: [0, max_cache_len - 1]}) for m in definition.methods]
+    # Checked before each call: IREE checks no index, so a position past the cache would write past it, and a token
+    # id past the vocabulary would read past the embedding table.
+    vocab = int(model.config.get_text_config().vocab_size)
+    bounds = {0: [0, vocab - 1], 1: [0, max_cache_len - 1]}
+    bounded = [msgspec.structs.replace(m, input_bounds=bounds) for m in definition.methods]
     return ProgramFile(msgspec.structs.replace(definition, methods=bounded), program.data)
 
 

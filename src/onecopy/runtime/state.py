@@ -235,9 +235,10 @@ def _check_bounds(method: Method, inputs: Sequence[np.ndarray]) -> None:
         if lowest < low or highest > high:
             bad = highest if highest > high else lowest
             raise ExecutionError(
-                f"Input {index} of method '{method.name}' holds {bad}, outside [{low}, {high}]: positions past the "
-                f"end of the cache ({high + 1} entries) cannot be stored. Start a new state (state.reset()) or "
-                "export with a larger max_cache_len."
+                f"Input {index} of method '{method.name}' holds {bad}, outside "
+                f"[{low}, {high}], the values it was exported for: the engine does not check indices, so a cache "
+                "position past max_cache_len or a token id past the vocabulary is refused here. Start a new state "
+                "(state.reset()), or export with a larger max_cache_len."
             )
 
 
