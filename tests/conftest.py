@@ -157,3 +157,51 @@ def surfaces():
     for surface in made:
         surface.close()
         surface.unlink()
+
+
+class Accumulator(torch.nn.Module):
+    """A model with state: a cache updated at given positions (index_copy_, as a KV cache), a step counter (0-d
+    int64) and a running sum that starts at ones (a non-zero initial value)."""
+
+    def __init__(self, rows: int = 8, width: int = 16) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.register_buffer("cache", torch.zeros(rows, width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("total", torch.ones(width))
+
+    def forward(self, x, pos):
+        y = self.proj(x)
+        self.cache.index_copy_(0, pos, y)
+        self.steps.add_(1)
+        self.total.add_(y.sum(0))
+        return self.cache.sum(0, keepdim=True) + self.total, self.steps.clone()
+
+
+def accumulator_methods(model: torch.nn.Module | None = None) -> dict:
+    """prefill (2 rows at a time) and decode (1 row) of one Accumulator: they share its three states."""
+    torch.manual_seed(0)
+    model = model if model is not None else Accumulator()
+    return {
+        "prefill": torch.export.export(model, (torch.zeros(2, 16), torch.tensor([0, 1]))),
+        "decode": torch.export.export(model, (torch.zeros(1, 16), torch.tensor([2]))),
+    }
+
+
+@pytest.fixture(scope="session")
+def accumulator():
+    torch.manual_seed(0)
+    return Accumulator()
+
+
+@pytest.fixture(scope="session", params=[("mlir", True), ("mlir", False), ("vmfb", True), ("vmfb", False)],
+                ids=["mlir-multifunction", "mlir-single", "vmfb-multifunction", "vmfb-single"])
+def stateful_program(request, accumulator, tmp_path_factory):
+    """The Accumulator's prefill + decode as one program: (path, packaging, multifunction)."""
+    from onecopy.export import Partitioner
+
+    packaging, multifunction = request.param
+    program = export_program(accumulator_methods(accumulator), partitioner=Partitioner(multifunction=multifunction),
+                             compile_spec=CompileSpec(packaging=packaging))
+    path = program.save(tmp_path_factory.mktemp("stateful") / f"acc-{packaging}-{multifunction}.onecopy")
+    return path, packaging, multifunction

@@ -16,7 +16,7 @@ from onecopy.errors import (
     ProgramFormatError,
     UnsupportedOperator,
 )
-from onecopy.runtime import Method, MethodMeta, Program, Runtime
+from onecopy.runtime import Method, MethodMeta, Program, Runtime, State
 from onecopy.surface import Surface
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ __all__ = [
     "Runtime",
     "Program",
     "Method",
+    "State",
     "MethodMeta",
     "Surface",
     "OnecopyError",

@@ -44,6 +44,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"method {method['name']}: ({', '.join(method['inputs'])}) -> ({', '.join(method['outputs'])})")
             for ins in method["instructions"]:
                 print(f"    {ins}")
+            if method.get("states"):
+                print(f"    state: {', '.join(method['states'])}")
+        for state in summary.states:  # kept by the engine between calls, updated in place
+            print(f"state {state}")
         for bundle in summary.bundles:
             code = ", ".join(f"{key.rsplit('/', 1)[-1]} {_mib(n)}" for key, n in bundle.code_bytes.items())
             print(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")

@@ -27,6 +27,7 @@ class ProgramSummary:
     parameter_bytes: int  # unique parameter bytes
     bundles: list[BundleSummary]
     methods: list[dict]
+    states: list[str] = field(default_factory=list)  # "name dtype[shape] (zeros | initial value)"
 
 
 def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
@@ -67,6 +68,7 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
                     for i in method.instructions
                     if isinstance(i, (DelegateCall, HostOp))
                 ],
+                "states": list(method.states),
             }
         )
     return ProgramSummary(
@@ -75,4 +77,6 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
         parameter_bytes=sum(kinds.get("parameters", {}).values()),
         bundles=list(bundles.values()),
         methods=methods,
+        states=[f"{s.name} {s.spec.dtype}{list(s.spec.shape)} ({'zeros' if s.initial is None else 'initial value'})"
+                for s in definition.states],
     )

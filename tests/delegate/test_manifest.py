@@ -93,3 +93,16 @@ def test_old_style_vmfb_manifest_without_encoders_still_loads(small_methods, sma
         (y,) = loaded.load_method("prefill").execute([x])
     np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
     assert states() == ["restored"]
+
+
+def test_a_state_whose_size_disagrees_with_its_shape_is_refused():
+    from onecopy.delegate.manifest import parse_manifest
+
+    raw = {"version": 1, "packaging": "mlir", "export_hash": "x", "bundle": {"portable": "bundle/x.mlirbc"},
+           "function": "decode_0", "input_names": [], "output_names": [], "compute_units": "cpu",
+           "states": [{"name": "cache", "parameter": "onecopy_state_0", "shape": [8, 16], "dtype": "float32",
+                       "nbytes": 4}]}
+    with pytest.raises(DelegateError, match="state 'cache' says 4 bytes, but float32\\[8, 16\\] takes 512"):
+        parse_manifest(raw, "Method 'decode', delegate 0")
+    raw["states"][0].update(nbytes=512)
+    assert parse_manifest(raw, "here").states[0].nbytes == 512

@@ -67,6 +67,7 @@ class IreeDelegate(DelegateHandle):
         self.manifest = manifest
         self.shared = shared
         self.owned_surfaces: list[Any] = []
+        self._state_names = tuple(e.name for e in manifest.states)
 
     def execute(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
@@ -119,6 +120,42 @@ class IreeDelegate(DelegateHandle):
         surfaces, self.owned_surfaces = self.owned_surfaces, []
         for surface in surfaces:
             surface.close()
+
+    # Program state (onecopy.delegate.state): the module's states live in a VM context per `State`.
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self._state_names
+
+    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int):
+        from onecopy.delegate.state import state_copied_call
+
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        return state_copied_call(function, inputs, outputs)
+
+    def state_domain(self) -> Any:
+        model = self.model
+        if model is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        return model
+
+    def create_state(self) -> Any:
+        from onecopy.delegate.state import EngineState
+
+        return EngineState(self.state_domain(), self.manifest.states, self.where)
+
+    def execute_with_state(self, state: Any, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
+                           stats: CopyStats) -> list[np.ndarray]:
+        from onecopy.delegate.state import call_in_context
+
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        context = state.context
+        if context is None:
+            raise DelegateError(f"{self.where}: the state was closed; create a new one with program.create_state().")
+        return call_in_context(function, context, inputs, outputs, stats)
 
     @property
     def bound_surfaces(self) -> dict[str, Any]:
@@ -208,7 +245,10 @@ class IreeBackend(Backend):
             )
         resolved = self._resolve(context, parsed)
         started = time.perf_counter()
-        if share:
+        # The functions of a module holding state must run in the same VM contexts (a State's), so every delegate
+        # of it uses one loaded model: shared, whatever the option says (a shared model shares weights, never
+        # state: each State has contexts of its own).
+        if share or parsed.states:
             table_key = resolved.table_key()
             model, loaded_here = shared_models.acquire(table_key, lambda: self._load(context, resolved))
             state = model.load_state if loaded_here else "restored"
@@ -322,7 +362,8 @@ class IreeBackend(Backend):
             raise DelegateError(f"{where}: the cache entry {resolved.key_prefix} holds no module; run `onecopy cache "
                                 "clear` and load again.")
         try:
-            model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry)
+            model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
+                                state_zeros={e.parameter: e.nbytes for e in manifest.states})
         except BaseException:
             if entry is not None:
                 entry.close()

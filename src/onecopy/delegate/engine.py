@@ -151,14 +151,19 @@ def _configure_task_executor() -> None:
         flags.parse_flags(*chosen)
 
 
-def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool = False) -> Any:
+def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool = False,
+                       zeros: Mapping[str, int] | None = None) -> Any:
     """An IREE parameter provider serving `buffers` (name -> buffer) under `scope`. The index keeps a reference to
-    each buffer and reads (or, `writable`, writes) it in place: no copy."""
+    each buffer and reads (or, `writable`, writes) it in place: no copy. `zeros` (name -> bytes) are served as
+    zero splats, which is what a mutable global (program state) must start from: IREE writes a mutable global
+    served from a buffer into that buffer itself, shared by every context."""
     import iree.runtime as ireert
 
     index = ireert.ParameterIndex()
     for name, buffer in buffers.items():
         index.add_buffer(name, buffer, writable=writable)
+    for name, nbytes in (zeros or {}).items():
+        index.add_splat(name, np.zeros(1, np.uint8), nbytes)
     return index.create_provider(scope=scope)
 
 
@@ -194,6 +199,7 @@ class LoadedModel:
         *,
         encoded: Mapping[str, memoryview] | None = None,
         keepalive: Any = None,
+        state_zeros: Mapping[str, int] | None = None,
     ):
         import iree.runtime as ireert
 
@@ -201,7 +207,7 @@ class LoadedModel:
         self.target = target
         self._instance = vm_instance()
         self.device = hal_device(target.driver)
-        providers = [parameter_provider(parameters, PARAMETER_SCOPE)]
+        providers = [parameter_provider(parameters, PARAMETER_SCOPE, zeros=state_zeros)]
         self.encoded_bytes = sum(memoryview(view).nbytes for view in (encoded or {}).values())  # packed once, shared
         if encoded:
             # Weights packed once at specialization (scope `encoded`): every context reads this one mapped copy
@@ -368,7 +374,8 @@ class EngineFunction:
         # Strided (e.g. padded surface rows) arrays are gathered densely here: the engine only takes dense views.
         return device.allocator.allocate_buffer_copy(
             memory_type=self._memory_type, allowed_usage=self._usage, device=device,
-            buffer=np.ascontiguousarray(array), element_type=element_type,
+            # np.ascontiguousarray would make a 0-d array 1-d, which a function taking a scalar tensor refuses.
+            buffer=array if array.flags.c_contiguous else np.ascontiguousarray(array), element_type=element_type,
         )
 
     def _element_type(self, dtype: np.dtype) -> Any:

@@ -23,16 +23,31 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "parse_manifest",
+__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
 MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
 PORTABLE = "portable"  # the bundle key of an `mlir` delegate
 PARAMETER_SCOPE = "model"
+
+
+class StateEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A program state held by the module as a mutable global (see onecopy.export.state): served as a zero splat
+    of `nbytes` under `parameter` (scope `model`); `initial` names the parameter its reset copies in (absent:
+    zeros). Read, written and reset, all states of the module at once in the order of the manifest's list, by its
+    functions `onecopy_read_states`, `onecopy_write_states` and `onecopy_reset_states`."""
+
+    name: str
+    parameter: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    initial: str | None = None
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -51,6 +66,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     outputs_in_place: bool = False
     # target name (a key of `bundle`) -> named data key of its parameter encoder (vmfb only).
     encoders: dict[str, str] = {}
+    # Program states the module holds (every function of a module sees the same list).
+    states: list[StateEntry] = []
 
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
@@ -77,6 +94,16 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
     if manifest.encoders and manifest.packaging != "vmfb":
         raise DelegateError(f"{where}: field `encoders` applies to vmfb manifests only, this one is {manifest.packaging}. "
                             "Re-export the program.")
+    for state in manifest.states:
+        try:
+            itemsize = np.dtype(state.dtype).itemsize
+        except TypeError:
+            raise DelegateError(f"{where}: state '{state.name}' has unknown dtype '{state.dtype}'. Re-export the program.") from None
+        if state.nbytes != int(np.prod(state.shape, dtype=np.int64)) * itemsize or min(state.shape, default=0) < 0:
+            raise DelegateError(
+                f"{where}: state '{state.name}' says {state.nbytes} bytes, but {state.dtype}{state.shape} takes "
+                f"{int(np.prod(state.shape, dtype=np.int64)) * itemsize}. Re-export the program."
+            )
     strays = sorted(set(manifest.encoders) - set(manifest.bundle))
     if strays:
         raise DelegateError(

@@ -33,6 +33,7 @@ from onecopy.export.lowering import CompileFailed, LoweredBundle, StagedFunction
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
 from onecopy.runtime.host_kernels import has_host_kernel
+from onecopy.export.state import ProgramStates, StateBinding, collect_states, guard_index_writes
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
 from onecopy.program import (
     ConstantDef,
@@ -132,11 +133,18 @@ class _DelegatePartition:
     weights: dict[fx.Node, str] = field(default_factory=dict)
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
+    # Program state: the globals read (in placeholder order, after the parameters), the results stored into them
+    # and the results returned (None: all). See onecopy.export.state.
+    states: list[StateBinding] = field(default_factory=list)  # every state the function reads or stores
+    state_reads: list[str] = field(default_factory=list)  # globals passed to the graph, after the parameters
+    updates: list[tuple[int, str]] = field(default_factory=list)
+    returned: list[int] | None = None
 
     def staged(self, function: str) -> StagedFunction:
         return StagedFunction(function, self.graph_module, self.parameters, self.example_args,
                               self.example_results, f"method '{self.method}', partition {self.index}",
-                              self.dynamic_args, self.dynamic_results, self.outputs_in_place)
+                              self.dynamic_args, self.dynamic_results, self.outputs_in_place,
+                              self.state_reads, self.updates, self.returned)
 
 
 @dataclass
@@ -153,6 +161,27 @@ class _MethodPlan:
     weights: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> table name
     constants: list[ConstantDef] = field(default_factory=list)
     instructions: list[Instruction] = field(default_factory=list)
+    states: dict[fx.Node, StateBinding] = field(default_factory=dict)  # state placeholder -> its state
+    updates: dict[fx.Node, StateBinding] = field(default_factory=dict)  # node holding a state's new value
+    user_outputs: set[fx.Node] = field(default_factory=set)
+    host_nodes: set[fx.Node] = field(default_factory=set)
+    stored: set[str] = field(default_factory=set)  # globals an earlier partition of the method has stored
+    in_globals: set[fx.Node] = field(default_factory=set)  # results stored into a global and not returned
+
+    def global_of(self, node: fx.Node) -> StateBinding | None:
+        """The state whose global holds `node`'s value when a partition runs: a state read before any partition
+        stored it, or a state's new value once its partition stored it."""
+        binding = self.states.get(node)
+        if binding is not None:
+            if binding.parameter in self.stored:
+                raise ExportError(
+                    f"Method '{self.name}' reads state '{binding.name}' as it was before the call after a partition "
+                    "stored its new value (a graph break between the update and the read); move the host op, or "
+                    "read the state before updating it in the same partition."
+                )
+            return binding
+        binding = self.updates.get(node)
+        return binding if binding is not None and binding.parameter in self.stored else None
 
     def new_id(self) -> int:
         self.num_values += 1
@@ -219,32 +248,23 @@ def _check_methods(methods: Mapping[str, ExportedProgram]) -> None:
             )
 
 
-def _decompose(name: str, ep: ExportedProgram) -> ExportedProgram:
-    # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
-    ep = ep.run_decompositions()
-    signature = ep.graph_signature
-    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
-        mutated = list(signature.buffers_to_mutate.values()) + list(signature.user_inputs_to_mutate.values())
-        raise ExportError(
-            f"Method '{name}' mutates {', '.join(mutated)}; onecopy methods are pure functions. Export the model in "
-            "eval mode, or return the new state as an output."
-        )
-    return ep
-
-
 def _plan_method(
     name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[_DelegatePartition],
-    memory_planned_outputs: bool, on_host: frozenset[str] = frozenset(),
+    memory_planned_outputs: bool, states: ProgramStates, on_host: frozenset[str] = frozenset(),
 ) -> MethodDef:
-    """Plan a decomposed method; `on_host`: nodes the compile check moved to the host."""
+    """Plan a decomposed method; `states`: the program's states (buffers it updates are read and stored by the
+    engine, not inputs); `on_host`: nodes the compile check moved to the host."""
     signature = ep.graph_signature
+    uses = states.of_method(name)  # buffer fqn -> state name
     graph = ep.graph_module.graph
     plan = _MethodPlan(name, table, _symbol_ranges(ep), _symbol_names(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, signature.input_specs):
-        if spec.kind in _WEIGHT_KINDS:
+        if spec.kind == InputKind.BUFFER and spec.target in uses:
+            plan.states[node] = states.bindings[uses[spec.target]]
+        elif spec.kind in _WEIGHT_KINDS:
             tensor = ep.state_dict.get(spec.target)
             if tensor is None:
                 tensor = ep.constants[spec.target]
@@ -256,8 +276,24 @@ def _plan_method(
         else:
             raise ExportError(f"Method '{name}': input '{node.name}' of kind {spec.kind.name} is not supported.")
 
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    for value, spec in zip(output_node.args[0], signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in uses and isinstance(value, fx.Node):
+            plan.updates[value] = states.bindings[uses[spec.target]]
+        elif spec.kind == OutputKind.USER_OUTPUT and isinstance(value, fx.Node):
+            plan.user_outputs.add(value)
+    partitions = partitioner.partition(graph, name, on_host)
+    plan.host_nodes = {p.nodes[0] for p in partitions if p.on_host}
+    for node in plan.host_nodes:
+        read = next((a for a in node.all_input_nodes if a in plan.states), None)
+        if read is not None:
+            raise ExportError(
+                f"Method '{name}': host op '{op_name(node)}' (node '{node.name}') reads state "
+                f"'{plan.states[read].name}', which only the engine holds. Let the engine take this op (remove it "
+                "from skip_ops)."
+            )
     delegate_index = 0
-    for partition in partitioner.partition(graph, name, on_host):
+    for partition in partitions:
         if partition.on_host:
             _plan_host_op(plan, partition.nodes[0])
             continue
@@ -266,10 +302,16 @@ def _plan_method(
             delegates.append(staged)
             delegate_index += 1
 
-    output_node = next(n for n in graph.nodes if n.op == "output")
     outputs: list[int] = []
     output_specs: list[TensorSpec] = []
     for value, spec in zip(output_node.args[0], signature.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION and spec.target in uses:
+            if value not in plan.ids and value not in plan.in_globals:
+                raise ExportError(
+                    f"Method '{name}' sets state '{uses[spec.target]}' to a value the engine does not compute "
+                    f"('{getattr(value, 'name', value)}'); update the buffer with an op (e.g. copy_, index_copy_)."
+                )
+            continue
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
             raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
         outputs.append(plan.value(value))
@@ -286,6 +328,7 @@ def _plan_method(
         output_specs=output_specs,
         instructions=plan.instructions,
         constants=plan.constants,
+        states=sorted({s.name for s in plan.states.values()}),
     )
 
 
@@ -307,17 +350,38 @@ def _plan_host_op(plan: _MethodPlan, node: fx.Node) -> None:
 def _plan_delegate_partition(
     plan: _MethodPlan, partition: Partition, index: int, delegate: int
 ) -> _DelegatePartition | None:
-    piece = cut(partition.nodes, plan.weights)
+    piece = cut(partition.nodes, plan.weights, plan.global_of)
     if piece is None:
         return None  # dead code: nothing outside uses it
     activations, results = piece.activations, piece.results
+    members = set(partition.nodes)
+    # A state's new value is stored by the engine function itself; it is returned only when something else (a
+    # user output, a host op) reads it too: a later partition reads a stored value from its global.
+    updates = [(i, plan.updates[r].parameter) for i, r in enumerate(results) if r in plan.updates]
+    returned_nodes = [
+        r for r in results
+        if r not in plan.updates or r in plan.user_outputs
+        or any(u not in members and u in plan.host_nodes for u in r.users)
+    ]
+    read_globals = [plan.global_of(s) for s in piece.state_reads]  # before this partition's own stores count
+    touched = list(read_globals)
+    for r in results:
+        if r in plan.updates and plan.updates[r] not in touched:
+            touched.append(plan.updates[r])
+    stateful = bool(touched)
+    if stateful:
+        guard_index_writes(piece.graph_module.graph)
+        piece.graph_module.recompile()
     inputs = [plan.value(a) for a in activations]
     outputs = []
     for node in results:
-        plan.ids[node] = plan.new_id()
-        outputs.append(plan.ids[node])
+        if node in returned_nodes:
+            plan.ids[node] = plan.new_id()
+            outputs.append(plan.ids[node])
+        else:  # no value of the method: the engine keeps it in the state's global
+            plan.in_globals.add(node)
     plan.instructions.append(DelegateCall(delegate=delegate, inputs=inputs, outputs=outputs))
-    members = set(partition.nodes)
+    plan.stored.update(parameter for _, parameter in updates)
     return _DelegatePartition(
         method=plan.name,
         index=index,
@@ -331,15 +395,19 @@ def _plan_delegate_partition(
         # Caller-provided outputs (not memory planned) are written in place when the partition produces exactly
         # the method's outputs: the function takes their storage as arguments.
         outputs_in_place=(
-            not plan.memory_planned_outputs
+            not stateful and not plan.memory_planned_outputs
             and all(u.op == "output" for r in results for u in r.users if u not in members)
         ),
         input_names=[a.name for a in activations],
-        output_names=[r.name for r in results],
+        output_names=[r.name for r in returned_nodes],
         nodes=list(partition.nodes),
         weights=plan.weights,
         ranges=plan.ranges,
         names=plan.names,
+        states=touched,
+        state_reads=[g.parameter for g in read_globals],
+        updates=updates,
+        returned=[results.index(r) for r in returned_nodes] if stateful else None,
     )
 
 
@@ -419,13 +487,59 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
+def state_groups(partitions: list[_DelegatePartition], specs: dict[str, CompileSpec]
+                 ) -> list[list[tuple[_DelegatePartition, str]]]:
+    """Bundles without multifunction: one per partition (function `main`), except that the partitions sharing a
+    state are staged together as `<method>_<i>` of one module: a state is a global of ONE module, which every
+    function updating it must be part of."""
+    groups: list[list[_DelegatePartition]] = []
+    owner: dict[str, int] = {}  # state parameter -> group index
+    for p in partitions:
+        joined = sorted({owner[s.parameter] for s in p.states if s.parameter in owner})
+        if not joined:
+            groups.append([p])
+            index = len(groups) - 1
+        else:
+            index = joined[0]
+            for other in joined[1:]:  # p links groups that were apart: merge them
+                groups[index].extend(groups[other])
+                groups[other] = []
+                for name, g in owner.items():
+                    if g == other:
+                        owner[name] = index
+            groups[index].append(p)
+        for s in p.states:
+            owner[s.parameter] = index
+    result = []
+    for group in (g for g in groups if g):
+        methods = sorted({p.method for p in group})
+        first = specs[methods[0]]
+        for m in methods[1:]:
+            if specs[m] != first:
+                raise ExportError(
+                    f"Methods '{methods[0]}' and '{m}' share state, so they are compiled as one module, but their "
+                    "compile specs differ. Give them the same CompileSpec."
+                )
+        if len(group) == 1 and not group[0].states:
+            result.append([(group[0], "main")])
+        else:
+            result.append([(p, f"{p.method}_{p.index}") for p in sorted(group, key=lambda p: p.delegate)])
+    return result
+
+
+def _held_states(group: list[tuple[_DelegatePartition, str]]) -> list[StateBinding]:
+    """The states a module holds as globals: every one a function of it reads or stores, once."""
+    return list({s.parameter: s for p, _ in group for s in p.states}.values())
+
+
 def _lower_group(group: list[tuple[_DelegatePartition, str]], table: ParameterTable, spec: CompileSpec) -> LoweredBundle:
     """Lower one module and, for a portable bundle, compile it as its first load here will: an export that passes
     is a program that loads. Raises `CompileFailed` for the caller to find the op to blame."""
     where = "; ".join(p.staged(function).where for p, function in group)
     names = {k: v for p, _ in group for k, v in p.names.items()}
     try:
-        bundle = lower([p.staged(function) for p, function in group], table.tensors, spec)
+        held = _held_states(group)
+        bundle = lower([p.staged(function) for p, function in group], table.tensors, spec, held)
     except CompileFailed:
         raise
     except ExportError as e:
@@ -440,7 +554,7 @@ def _lower_group(group: list[tuple[_DelegatePartition, str]], table: ParameterTa
             log.info("%s: not checked at export, no target for compute units '%s' here: %s", where, spec.compute_units, e)
             return bundle
         started = time.perf_counter()
-        check_compiles(bundle, any(p.parameters for p, _ in group), target, where)
+        check_compiles(bundle, any(p.parameters for p, _ in group) or any(s.initial for s in held), target, where)
         log.debug("%s: compiles for %s (checked in %.0f ms)", where, target.name, (time.perf_counter() - started) * 1e3)
     return bundle
 
@@ -517,23 +631,25 @@ def export_program(
     if type(memory_planned_outputs) is not bool:
         raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
 
-    decomposed = {name: _decompose(name, ep) for name, ep in methods.items()}
+    # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
+    decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
     on_host: dict[str, set[str]] = {name: set() for name in methods}
     # Modules lowered (and checked) so far, by what they are made of: planning again after moving an op to the
     # host lowers only the modules that changed. Parameter names are the same in every round (the same adds).
     lowered: dict[tuple, LoweredBundle] = {}
     while True:
         table = ParameterTable()
+        states = collect_states(decomposed, {m: p.share_state for m, p in partitioners.items()}, table)
         partitions: list[_DelegatePartition] = []
         method_defs = [
-            _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs,
+            _plan_method(name, ep, partitioners[name], table, partitions, memory_planned_outputs, states,
                          frozenset(on_host[name]))
             for name, ep in decomposed.items()
         ]
         if multifunction:
             groups = [[(p, f"{p.method}_{p.index}") for p in partitions]] if partitions else []
         else:
-            groups = [[(p, "main")] for p in partitions]
+            groups = state_groups(partitions, specs)
         bundles: list[LoweredBundle] = []
         for group in groups:
             key = tuple((p.method, function, p.outputs_in_place, tuple(n.name for n in p.nodes)) for p, function in group)
@@ -556,7 +672,9 @@ def export_program(
     manifests: list[dict[str, Any]] = [{} for _ in partitions]
     for group, bundle in zip(groups, bundles):
         compile_spec = specs[group[0][0].method]  # one spec per group: checked equal for multifunction
-        used = list(dict.fromkeys(name for p, _ in group for name in p.parameters))
+        held = _held_states(group)
+        used = list(dict.fromkeys([*(name for p, _ in group for name in p.parameters),
+                                   *(s.initial for s in held if s.initial is not None)]))
         export_hash, keys, encoders, bound = _deliver(bundle, table, used, store)
         for p, function in group:
             manifest: dict[str, Any] = {
@@ -576,10 +694,13 @@ def export_program(
                 manifest["encoders"] = encoders
             if multifunction:
                 manifest["multifunction"] = True
+            if held:
+                manifest["states"] = [s.manifest() for s in held]
             manifests[p.delegate] = manifest
     definition = ProgramDef(
         methods=method_defs,
         delegates=[DelegateDef(backend=BACKEND, manifest=m) for m in manifests],
         segments=[],
+        states=states.defs,
     )
     return ProgramFile(definition, store)

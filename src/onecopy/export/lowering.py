@@ -24,6 +24,7 @@ from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS, Target
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
+from onecopy.export.state import StateBinding, register_states, stage_helpers
 
 __all__ = ["StagedFunction", "LoweredBundle", "CompileFailed", "stage", "lower", "check_compiles", "compile_error"]
 
@@ -43,6 +44,11 @@ class StagedFunction:
     dynamic_results: tuple | None = None
     # Destination-passing: the results are written into trailing output arguments instead of returned.
     outputs_in_place: bool = False
+    # Program state (onecopy.export.state): the globals read after the parameters, the results stored into them
+    # (result index -> global) and the results returned (None: all).
+    states: list[str] = field(default_factory=list)
+    updates: list[tuple[int, str]] = field(default_factory=list)
+    returned: list[int] | None = None
 
 
 @dataclass
@@ -70,6 +76,17 @@ def _stage(fxb, function: StagedFunction) -> None:
     def call(module, *args):
         return graph_module(*(getattr(module, name) for name in names), *args)
 
+    states, updates, returned = function.states, function.updates, function.returned
+
+    def call_with_state(module, *args):
+        results = graph_module(*(getattr(module, name) for name in names),
+                               *(getattr(module, name) for name in states), *args)
+        for index, name in updates:
+            getattr(module, name).copy_(results[index])  # stored in place: the update runs on the global
+        kept = tuple(results[i] for i in returned) if returned is not None else tuple(results)
+        # An engine function cannot return nothing.
+        return kept if kept else args[0].new_zeros(()) if args else torch.zeros(())
+
     def call_in_place(module, *args):
         results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
         for out, result in zip(args[n_inputs:], results):
@@ -80,12 +97,15 @@ def _stage(fxb, function: StagedFunction) -> None:
         args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)
         dynamic, fn = function.dynamic_results, call_in_place
     else:
-        args, dynamic, fn = function.example_args, function.dynamic_args, call
+        args, dynamic = function.example_args, function.dynamic_args
+        fn = call_with_state if states or updates else call
     fxb.export_program(name=function.name, args=args, strict=False, dynamic_shapes=_varargs(dynamic))(fn)
 
 
-def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor]) -> bytes:
-    """Import `functions` through iree-turbine as one module: its MLIR bytecode."""
+def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor],
+          states: Sequence[StateBinding] = ()) -> bytes:
+    """Import `functions` (and, with `states`, the program's state globals and their helper functions) through
+    iree-turbine as one module: its MLIR bytecode."""
     from iree.turbine import aot
 
     root = torch.nn.Module()
@@ -93,12 +113,18 @@ def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         for name in function.parameters:
             if not hasattr(root, name):
                 root.register_buffer(name, parameters[name])
+    for state in states:
+        if state.initial is not None and not hasattr(root, state.initial):
+            root.register_buffer(state.initial, parameters[state.initial])
+    register_states(root, list(states))
     aot.externalize_module_parameters(root, external_scope=PARAMETER_SCOPE)
     fxb = aot.FxProgramsBuilder(root)
     where = "; ".join(f.where for f in functions)
     try:
         for function in functions:
             _stage(fxb, function)
+        if states:
+            stage_helpers(fxb, list(states))
         exported = aot.export(fxb)
         buffer = io.BytesIO()
         exported.mlir_module.operation.write_bytecode(buffer)
@@ -107,15 +133,16 @@ def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
     return buffer.getvalue()
 
 
-def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec) -> LoweredBundle:
+def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec,
+          states: Sequence[StateBinding] = ()) -> LoweredBundle:
     """Stage `functions` as one module and package it: MLIR bytecode (`mlir`), or code per target (`vmfb`).
     Raises `CompileFailed` when IREE cannot compile a target."""
-    bytecode = stage(functions, parameters)
+    bytecode = stage(functions, parameters, states)
     names = [f.name for f in functions]
     if spec.packaging == "mlir":
         return LoweredBundle(spec.packaging, {PORTABLE: bytecode}, names)
     code, encoders = {}, {}
-    has_parameters = any(f.parameters for f in functions)
+    has_parameters = any(f.parameters for f in functions) or any(s.initial for s in states)
     where = "; ".join(f.where for f in functions)
     for name in spec.targets:
         target = TARGETS[name]

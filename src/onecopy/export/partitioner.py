@@ -45,10 +45,14 @@ class Partitioner:
     Args:
         multifunction: stage every method's partitions as functions of one engine module (weights once).
         skip_ops: op names left on the host, e.g. ("aten.relu.default",).
+        share_state: buffers this method updates in place (a KV cache) are program state shared with every other
+            method that updates a buffer of the same name (prefill and decode share their cache). False keeps this
+            method's state its own, named `<method>.<buffer>`.
     """
 
     multifunction: bool = False
     skip_ops: tuple[str, ...] = ()
+    share_state: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_ops, str):
@@ -58,6 +62,8 @@ class Partitioner:
             raise InvalidArgument(
                 f"Partitioner.multifunction expects bool, got {type(self.multifunction).__name__}."
             )
+        if type(self.share_state) is not bool:
+            raise InvalidArgument(f"Partitioner.share_state expects bool, got {type(self.share_state).__name__}.")
 
     def engine_takes(self, node: fx.Node, on_host: frozenset[str] = frozenset()) -> bool:
         name = op_name(node)

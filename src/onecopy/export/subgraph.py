@@ -4,8 +4,8 @@ the single ops the export-time compile check tries alone to find which one IREE 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -81,11 +81,14 @@ class Cut:
     weights: list[fx.Node]  # inputs that are the method's weights (engine parameters)
     activations: list[fx.Node]  # inputs computed outside, in graph order of first use
     results: list[fx.Node]  # nodes read outside the cut
+    state_reads: list[fx.Node] = field(default_factory=list)  # inputs held by state globals, after the weights
 
 
-def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any]) -> Cut | None:
+def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any],
+        in_state: Callable[[fx.Node], Any] | None = None) -> Cut | None:
     """The function computing `nodes`: shape computations they read are recomputed inside, ahead of them. None
-    when nothing outside reads any of them (dead code)."""
+    when nothing outside reads any of them (dead code). Inputs for which `in_state` is true are read from a state
+    global (onecopy.export.state): placeholders after the weights, before the activations."""
     symbolic: list[fx.Node] = []
 
     def pull(node: fx.Node) -> None:
@@ -98,12 +101,14 @@ def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any]) -> Cut | None:
         pull(node)
     members = set(symbolic) | set(nodes)
     weight_inputs: list[fx.Node] = []
+    state_reads: list[fx.Node] = []
     activations: list[fx.Node] = []
     for node in symbolic + list(nodes):
         for source in node.all_input_nodes:
             if source in members:
                 continue
-            bucket = weight_inputs if source in weights else activations
+            bucket = (weight_inputs if source in weights
+                      else state_reads if in_state is not None and in_state(source) else activations)
             if source not in bucket:
                 bucket.append(source)
     results = [
@@ -114,10 +119,10 @@ def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any]) -> Cut | None:
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for source in weight_inputs + activations:
+    for source in weight_inputs + state_reads + activations:
         env[source] = graph.placeholder(source.name)
         env[source].meta = dict(source.meta)
     for node in symbolic + list(nodes):
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in results))
-    return Cut(fx.GraphModule(torch.nn.Module(), graph), weight_inputs, activations, results)
+    return Cut(fx.GraphModule(torch.nn.Module(), graph), weight_inputs, activations, results, state_reads)

@@ -12,6 +12,7 @@ from onecopy.program.schema import (
     MethodDef,
     ProgramDef,
     SegmentDef,
+    StateDef,
     TensorSpec,
     ValueArg,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "MethodDef",
     "ProgramDef",
     "SegmentDef",
+    "StateDef",
     "TensorSpec",
     "ValueArg",
 ]

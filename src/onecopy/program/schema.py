@@ -21,6 +21,7 @@ __all__ = [
     "Instruction",
     "ConstantDef",
     "MethodDef",
+    "StateDef",
     "DelegateDef",
     "SegmentDef",
     "ProgramDef",
@@ -97,6 +98,20 @@ class MethodDef(_Strict):
     constants: list[ConstantDef] = []
     # Dynamic dimensions: symbol -> [min, max] (max None: unbounded), as exported with torch.export.Dim.
     symbols: dict[str, list[Union[int, None]]] = {}
+    # Names of the program states (`ProgramDef.states`) the method reads or updates in place.
+    states: list[str] = []
+    # Input index -> [min, max] of the values it may hold (e.g. a cache position), checked before each call.
+    input_bounds: dict[int, list[int]] = {}
+
+
+class StateDef(_Strict):
+    """A tensor kept by the engine between calls (a KV cache): updated in place by the methods that name it.
+
+    `initial`: named data key of its initial value; None means all zeros (stored as no bytes at all)."""
+
+    name: str
+    spec: TensorSpec
+    initial: Union[str, None] = None
 
 
 class DelegateDef(_Strict):
@@ -120,3 +135,4 @@ class ProgramDef(_Strict):
     methods: list[MethodDef]
     delegates: list[DelegateDef]
     segments: list[SegmentDef]
+    states: list[StateDef] = []

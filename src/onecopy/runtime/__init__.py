@@ -8,12 +8,14 @@ from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import DelegateMeta, MethodMeta, TensorMeta
 from onecopy.runtime.program import Program, Runtime, verify_program
+from onecopy.runtime.state import State
 
 __all__ = [
     "Runtime",
     "Program",
     "verify_program",
     "Method",
+    "State",
     "CopyStats",
     "MethodMeta",
     "TensorMeta",

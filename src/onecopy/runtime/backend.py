@@ -95,6 +95,35 @@ class DelegateHandle(abc.ABC):
         """Whether any surface is bound (checked on every call: cheaper than `bound_surfaces`)."""
         return False
 
+    # Program state (onecopy.runtime.state). A delegate whose module holds states names them in `state_names`;
+    # every delegate returning the same `state_domain()` shares one backend state per `State` (`create_state`),
+    # in which `execute_with_state` runs it.
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the program states this delegate's module holds (empty: it holds none)."""
+        return ()
+
+    def state_domain(self) -> Any:
+        raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
+
+    def create_state(self) -> Any:
+        """A new backend state holding every state of this delegate's domain at its initial value. It has
+        `read(name) -> np.ndarray`, `read_all() -> {name: array}`, `write({name: array})`, `reset()` and
+        `close()`."""
+        raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
+
+    def execute_with_state(self, state: Any, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
+                           stats: CopyStats) -> list[np.ndarray]:
+        """`execute` on the states of `state` (made by `create_state` of a delegate of the same domain)."""
+        raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
+
+    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
+                          ) -> Callable[[Any, Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+        """`execute_with_state` for inputs shaped as `inputs`, nothing bound, `outputs` results returned: a
+        callable taking (backend state, arrays, stats), made once per input signature (see `copied_call`)."""
+        nothing: list[None] = [None] * outputs
+        return lambda state, arrays, stats: self.execute_with_state(state, arrays, nothing, stats)
+
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release engine resources. Called once, by `Program.close()`."""

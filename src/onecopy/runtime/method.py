@@ -18,6 +18,7 @@ from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel
 from onecopy.runtime._layout import repeat_kept, same_shapes
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+from onecopy.runtime.state import execute_stateful
 
 __all__ = ["CheckedCall", "Method", "PreparedCall", "as_array"]
 
@@ -162,12 +163,16 @@ class Method:
             found.update(handle.bound_surfaces)
         return found
 
-    def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> list[np.ndarray]:
-        """Run the method. `outputs`: caller-provided storage per output (None entries are allocated).
+    def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
+                state: Any = None) -> list[np.ndarray]:
+        """Run the method. `outputs`: caller-provided storage per output (None entries are allocated). `state`: the
+        `State` a stateful method reads and updates in place (None: the program's default state).
 
         A frame loop over bound surfaces calls with the same surfaces every time: such a call is planned once, as
         `prepare` would, and this thread's next calls on the same arrays (or new views of the same surfaces, same
         layout) rerun the plan, with no per-argument work."""
+        if state is not None or self._definition.states:
+            return execute_stateful(self, inputs, outputs, state)
         if outputs is None:
             for checked in self._checked_calls:
                 if same_shapes(inputs, checked.templates):
@@ -233,6 +238,9 @@ class Method:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
         over bound surfaces, say), as ONNX Runtime's IOBinding does. The arrays are checked here, once: a run
         reads whatever they hold then. Not for concurrent use; prepare one per thread."""
+        if self._definition.states:
+            raise InvalidArgument(f"Method '{self.name}' keeps state; call execute(inputs, state=...) instead of "
+                                  "prepare (prepared calls of stateful methods are not supported yet).")
         values, storage = self._arguments(inputs, outputs)
         return PreparedCall(self, values, storage, outputs)
 

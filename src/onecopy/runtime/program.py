@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from onecopy.runtime.backend_options import BackendOptions, parse_backend_option
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import MethodMeta
+from onecopy.runtime.state import State, StateRegistry, load_state, new_state
 
 __all__ = ["Runtime", "Program", "verify_program"]
 
@@ -78,6 +80,47 @@ class Program:
         self._lock = threading.Lock()
         self._handles: list[DelegateHandle] = []
         self._methods = {m.name: m for m in loaded.definition.methods}
+        self._states = StateRegistry()
+        self._default_state: State | None = None
+
+    @property
+    def source(self) -> str:
+        return self._file.source
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    @property
+    def state_names(self) -> list[str]:
+        """The program's states (tensors its methods keep between calls, e.g. a KV cache)."""
+        return [s.name for s in self._file.definition.states]
+
+    def create_state(self) -> State:
+        """A new State: every state at its initial value, its own engine memory, the program's one copy of the
+        weights. Use it with `method.execute(inputs, state=s)`."""
+        self._check_stateful()
+        return self._states.add(new_state(self))
+
+    def load_state(self, path: str | os.PathLike[str]) -> State:
+        """A new State holding the values `State.save` wrote to `path` (checked against this program's states)."""
+        self._check_stateful()
+        return self._states.add(load_state(self, path))
+
+    @property
+    def default_state(self) -> State:
+        """The State a stateful method uses when called without `state=`."""
+        with self._lock:
+            if self._default_state is None:
+                self._check_stateful()
+                self._default_state = self._states.add(new_state(self))
+            return self._default_state
+
+    def _check_stateful(self) -> None:
+        if self._closed.is_set():
+            raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
+        if not self._file.definition.states:
+            raise InvalidArgument(f"Program '{self._file.source}' keeps no state; its methods are pure functions.")
 
     @property
     def method_names(self) -> list[str]:
@@ -172,6 +215,7 @@ class Program:
                 return
             self._closed.set()
             handles, self._handles = self._handles, []
+        self._states.close_all()  # their VM contexts go before the models they run on
         for handle in handles:
             handle.destroy()
         self._file.close()

@@ -1,0 +1,212 @@
+"""Program state at export: buffers a method updates in place (torch.export's `BUFFER_MUTATION` outputs, e.g.
+transformers' `StaticCache`) become named, typed, shaped entries of the program, kept by the engine.
+
+In the engine a state is a mutable module global (`util.global private mutable`): every function of one module
+reads and stores the same global, and each VM context holds its own copy, so a runtime `State` is one VM context
+over the one loaded module. What is measured and relied on here (see DESIGN.md, "State in IREE"):
+- the global is externalized as the parameter `onecopy_state_<k>` (scope `model`) and served as a zero splat at
+  load: the program carries no bytes for a zero cache. It must never be served from a buffer (IREE 3.13 then
+  writes the mutable global into that very buffer, shared by every context). A non-zero initial value is stored
+  once in the named data as the immutable parameter of `initial`, and `onecopy_reset_states` copies it in.
+- a method stores its new value with `global.copy_(new)`; the update itself (`index_copy_`, `index_put`) then
+  runs in place on the global, at a cost independent of the cache's size.
+- reads and writes from the host go through exported functions `onecopy_read_states` (`clone()`),
+  `onecopy_write_states` (`copy_(new.clone())`: without the clone IREE silently stores nothing) and
+  `onecopy_reset_states`; a VM context gives no other access to its globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from onecopy.errors import ExportError
+from onecopy.export.parameters import ParameterTable, parameter_key
+from onecopy.program import StateDef, TensorSpec
+
+__all__ = ["StateBinding", "ProgramStates", "collect_states", "stage_helpers", "register_states"]
+
+STATE_PREFIX = "onecopy_state_"
+
+
+@dataclass
+class StateBinding:
+    """One state as a module sees it: the global's parameter name, its shape and dtype, and the table name of its
+    initial value (None: zeros)."""
+
+    name: str  # program state name
+    parameter: str  # engine global (parameter name in scope `model`)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    initial: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def manifest(self) -> dict:
+        entry = {"name": self.name, "parameter": self.parameter, "shape": list(self.shape),
+                 "dtype": str(self.dtype).removeprefix("torch."), "nbytes": self.nbytes}
+        if self.initial is not None:
+            entry["initial"] = self.initial
+        return entry
+
+
+@dataclass
+class ProgramStates:
+    """Every state of a program, and per method: buffer FQN -> state name (those it updates and those it reads)."""
+
+    bindings: dict[str, StateBinding] = field(default_factory=dict)  # state name -> binding
+    by_method: dict[str, dict[str, str]] = field(default_factory=dict)  # method -> {buffer fqn: state name}
+    defs: list[StateDef] = field(default_factory=list)
+
+    def of_method(self, method: str) -> dict[str, str]:
+        return self.by_method.get(method, {})
+
+
+def _buffer_tensor(ep: ExportedProgram, target: str) -> torch.Tensor:
+    tensor = ep.state_dict.get(target)
+    if tensor is None:
+        tensor = ep.constants.get(target)
+    if not isinstance(tensor, torch.Tensor):
+        raise ExportError(f"Buffer '{target}' has no value in its exported program; register it with a tensor.")
+    return tensor
+
+
+def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, bool], table: ParameterTable,
+                   ) -> ProgramStates:
+    """Find the program's states in decomposed programs. A method with `share[method]` names its states by buffer
+    FQN, so methods updating the same FQN share one; otherwise as `<method>.<fqn>`. A method that only reads a
+    buffer another (sharing) method updates reads that state. Raises `ExportError` when two methods give one
+    state different shapes, dtypes or initial values."""
+    states = ProgramStates()
+    first: dict[str, tuple[str, torch.Tensor]] = {}  # state name -> (method, initial tensor)
+    for method, ep in methods.items():
+        signature = ep.graph_signature
+        if signature.user_inputs_to_mutate:
+            mutated = ", ".join(signature.user_inputs_to_mutate.values())
+            raise ExportError(
+                f"Method '{method}' updates its input(s) {mutated} in place; onecopy keeps state in buffers the "
+                "module owns. Register the tensor with module.register_buffer and update that, or return the new "
+                "value as an output."
+            )
+        for target in signature.buffers_to_mutate.values():
+            name = target if share[method] else f"{method}.{target}"
+            states.by_method.setdefault(method, {})[target] = name
+            tensor = _buffer_tensor(ep, target).detach()
+            seen = first.get(name)
+            if seen is None:
+                first[name] = (method, tensor)
+                continue
+            other, known = seen
+            if tuple(known.shape) != tuple(tensor.shape) or known.dtype != tensor.dtype:
+                raise ExportError(
+                    f"Methods '{other}' and '{method}' both update buffer '{target}' (shared state '{name}') but "
+                    f"with different shapes or dtypes ({list(known.shape)} {known.dtype} vs {list(tensor.shape)} "
+                    f"{tensor.dtype}). Export both from one module with one cache size, or give one method "
+                    "Partitioner(share_state=False)."
+                )
+            if not torch.equal(known, tensor):
+                raise ExportError(
+                    f"Methods '{other}' and '{method}' both update buffer '{target}' (shared state '{name}') but "
+                    "start it from different values. Export both from one module instance."
+                )
+    for method, ep in methods.items():  # methods reading a shared state without updating it
+        if not share[method]:
+            continue
+        uses = states.by_method.setdefault(method, {})
+        for spec in ep.graph_signature.input_specs:
+            if spec.kind == InputKind.BUFFER and spec.target in first and spec.target not in uses:
+                uses[spec.target] = spec.target
+        if not uses:
+            del states.by_method[method]
+    for k, (name, (_, tensor)) in enumerate(first.items()):
+        initial = None
+        key = None
+        if bool(tensor.any()):
+            initial = table.add(f"{STATE_PREFIX}init_{k}", tensor)
+            key = parameter_key(table.digests[initial])
+        states.bindings[name] = StateBinding(name, f"{STATE_PREFIX}{k}", tuple(tensor.shape), tensor.dtype, initial)
+        states.defs.append(StateDef(
+            name=name, spec=TensorSpec(shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")),
+            initial=key))
+    return states
+
+
+def mutation_targets(ep: ExportedProgram) -> dict[str, str]:
+    """Output name -> buffer FQN of the buffers the program updates."""
+    return {spec.arg.name: spec.target for spec in ep.graph_signature.output_specs
+            if spec.kind == OutputKind.BUFFER_MUTATION}
+
+
+def register_states(root: torch.nn.Module, states: list[StateBinding]) -> None:
+    """The states' globals on the module turbine stages: zeros here (and a zero splat at load)."""
+    for state in states:
+        if hasattr(root, state.parameter):
+            continue
+        root.register_buffer(state.parameter, torch.zeros(state.shape, dtype=state.dtype))
+
+
+def stage_helpers(fxb, states: list[StateBinding]) -> None:
+    """Export the module's state functions: `onecopy_read_states` (every state, cloned, in `states` order),
+    `onecopy_write_states(*values)` and `onecopy_reset_states`. Three functions whatever the number of states:
+    each staged function is a torch.export of its own (~0.5 s), and a 32-layer model has ~100 states."""
+
+    def read(module):
+        return tuple(getattr(module, state.parameter).clone() for state in states)
+
+    def write(module, *values):
+        for state, value in zip(states, values):
+            getattr(module, state.parameter).copy_(value.clone())  # without clone() IREE stores nothing
+        return torch.zeros(())
+
+    def reset(module):
+        for state in states:
+            g = getattr(module, state.parameter)
+            if state.initial is None:
+                g.zero_()
+            else:
+                g.copy_(getattr(module, state.initial).clone())
+        return torch.zeros(())
+
+    fxb.export_program(name="onecopy_read_states", args=(), strict=False)(read)
+    fxb.export_program(name="onecopy_write_states",
+                       args=tuple(torch.zeros(state.shape, dtype=state.dtype) for state in states), strict=False)(write)
+    fxb.export_program(name="onecopy_reset_states", args=(), strict=False)(reset)
+
+
+def guard_index_writes(graph: fx.Graph) -> int:
+    """Wrap the indices of every `index_put` into range (`remainder` by the indexed dimension's size) and return
+    how many it wrapped. IREE does not check them: a cache position past the end wrote past the cache's
+    allocation and corrupted the heap (glibc aborted the process at its next free). Wrapped, a bad position
+    overwrites a cache row instead, which `MethodDef.input_bounds` (onecopy.llm) refuses with an error first."""
+    wrapped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _INDEX_PUTS:
+            continue
+        target, indices = node.args[0], node.args[1]
+        shape = target.meta["val"].shape
+        guarded = []
+        for dim, index in enumerate(indices):
+            size = shape[dim] if dim < len(shape) else None
+            if not isinstance(index, fx.Node) or not isinstance(size, int) or index.meta["val"].dtype == torch.bool:
+                guarded.append(index)
+                continue
+            with graph.inserting_before(node):
+                safe = graph.call_function(torch.ops.aten.remainder.Scalar, (index, size))
+            safe.meta = dict(index.meta)
+            guarded.append(safe)
+            wrapped += 1
+        node.args = (target, guarded, *node.args[2:])
+    return wrapped
+
+
+_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)

@@ -1,0 +1,143 @@
+"""Decoder-only language models: prefill + decode as one program, the KV cache kept in the engine.
+
+    from transformers import LlamaForCausalLM
+    from onecopy.llm import export_llm, generate
+
+    export_llm(model, max_cache_len=256, prefill_tokens=32).save("llm.onecopy")
+    for token in generate("llm.onecopy", prompt_ids, max_new_tokens=50):   # greedy; temperature/top_k to sample
+        print(token)
+
+`export_llm` exports transformers' `TorchExportableModuleForDecoderOnlyLM` (a `StaticCache` registered as buffers)
+at two shapes, `prefill` (1 x prefill_tokens) and `decode` (1 x 1), as one program whose states are the cache.
+Both take `(input_ids int64 [1, T], cache_position int64 [T])` and return logits `[1, T, vocab]`; a cache position
+outside `[0, max_cache_len)`, or a token id outside the vocabulary, is refused before the engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from onecopy.errors import ExecutionError, InvalidArgument
+
+__all__ = ["export_llm", "generate"]
+
+# The position of the next token, as transformers' StaticCache layers keep it (a 0-d int64 per layer).
+_POSITION_STATE = "cumulative_length_0"
+
+
+def export_llm(model: Any, *, max_cache_len: int, prefill_tokens: int, partitioner: Any = None,
+               compile_spec: Any = None) -> Any:
+    """Export a transformers causal LM (e.g. `LlamaForCausalLM`) as `prefill` + `decode` sharing one KV cache.
+
+    Args:
+        model: a `transformers.PreTrainedModel` with a causal LM head, in eval mode.
+        max_cache_len: tokens the cache holds (prompt + generated).
+        prefill_tokens: tokens one prefill call takes (prompts are fed in chunks of it, the rest by decode).
+        partitioner, compile_spec: as for `export_program` (default: multifunction, mlir).
+
+    Returns:
+        A `ProgramFile`.
+    """
+    import torch
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from onecopy.export import CompileSpec, Partitioner, export_program
+    from onecopy.program import ProgramFile
+
+    if not 0 < prefill_tokens <= max_cache_len:
+        raise InvalidArgument(f"prefill_tokens must be in [1, max_cache_len={max_cache_len}], got {prefill_tokens}.")
+    config = model.generation_config
+    previous = config.cache_implementation
+    config.cache_implementation = "static"  # what the exportable wrapper requires; restored below
+    try:
+        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len)
+        methods = {
+            "prefill": wrapper.export(input_ids=torch.zeros(1, prefill_tokens, dtype=torch.long),
+                                      cache_position=torch.arange(prefill_tokens)),
+            "decode": wrapper.export(input_ids=torch.zeros(1, 1, dtype=torch.long),
+                                     cache_position=torch.tensor([0])),
+        }
+    finally:
+        config.cache_implementation = previous
+    program = export_program(methods, partitioner=partitioner or Partitioner(multifunction=True),
+                             compile_spec=compile_spec or CompileSpec(packaging="mlir"))
+    definition = program.definition
+    # Checked before each call: IREE checks no index, so a position past the cache would write past it, and a token
+    # id past the vocabulary would read past the embedding table.
+    vocab = int(model.config.get_text_config().vocab_size)
+    bounds = {0: [0, vocab - 1], 1: [0, max_cache_len - 1]}
+    bounded = [msgspec.structs.replace(m, input_bounds=bounds) for m in definition.methods]
+    return ProgramFile(msgspec.structs.replace(definition, methods=bounded), program.data)
+
+
+def _pick(logits: np.ndarray, temperature: float | None, top_k: int | None, rng: np.random.Generator) -> int:
+    if not temperature:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < scaled.size:
+        cut = np.partition(scaled, -top_k)[-top_k]
+        scaled = np.where(scaled >= cut, scaled, -np.inf)
+    p = np.exp(scaled - scaled.max())
+    p /= p.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, *,
+             state: Any = None, temperature: float | None = None, top_k: int | None = None,
+             seed: int | None = None) -> Iterator[int]:
+    """Stream the tokens a program exported by `export_llm` generates after `prompt_ids`, one at a time.
+
+    Greedy by default; `temperature` (> 0) samples, from the `top_k` most likely tokens when given, with `seed`.
+    `state`: a State to continue (its cache already holds a prompt, e.g. a `State.copy()` fork): `prompt_ids` are
+    appended after what it holds. None: a fresh state. A program path is loaded for the generation.
+    """
+    from onecopy.runtime import Program, Runtime
+
+    if max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if temperature is not None and temperature < 0:
+        raise InvalidArgument(f"temperature must be > 0 (or None for greedy), got {temperature}.")
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    if prompt.size == 0:
+        raise InvalidArgument("prompt_ids is empty; give at least one token.")
+    owned = None
+    if isinstance(program_or_path, Program):
+        program = program_or_path
+    elif isinstance(program_or_path, (str, os.PathLike)):
+        program = owned = Runtime().load_program(program_or_path)
+    else:
+        raise InvalidArgument(f"generate takes a Program or a program path, got {type(program_or_path).__name__}.")
+    try:
+        if "prefill" not in program.method_names or "decode" not in program.method_names:
+            raise InvalidArgument(f"Program '{program.source}' has no prefill and decode methods; export it with "
+                                  "onecopy.llm.export_llm.")
+        prefill, decode = program.load_method("prefill"), program.load_method("decode")
+        chunk = int(prefill.method_meta.inputs[0].shape[1])
+        state = state if state is not None else program.create_state()
+        position = int(state.read(_POSITION_STATE)) if _POSITION_STATE in state.names() else 0
+        rng = np.random.default_rng(seed)
+        logits = None
+        i = 0
+        while i < prompt.size:
+            if prompt.size - i >= chunk:
+                ids = prompt[i:i + chunk].reshape(1, chunk)
+                (logits,) = prefill.execute([ids, np.arange(position, position + chunk)], state=state)
+                i, position = i + chunk, position + chunk
+            else:
+                (logits,) = decode.execute([prompt[i:i + 1].reshape(1, 1), np.array([position])], state=state)
+                i, position = i + 1, position + 1
+        for n in range(max_new_tokens):
+            token = _pick(logits[0, -1], temperature, top_k, rng)
+            yield token
+            if n + 1 == max_new_tokens:
+                break
+            (logits,) = decode.execute([np.array([[token]], np.int64), np.array([position])], state=state)
+            position += 1
+    finally:
+        if owned is not None:
+            owned.close()

@@ -1,0 +1,359 @@
+"""State: the tensors a program keeps between calls (a KV cache), held by the engine and updated in place.
+
+    prog = Runtime().load_program("llm.onecopy")
+    prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+    s = prog.create_state()                        # its own cache; the same weights
+    (logits,) = prefill.execute([ids, positions], state=s)
+    (logits,) = decode.execute([next_id, position], state=s)
+    s.read("key_cache_0")                          # a numpy copy
+    fork = s.copy(); s.reset(); s.save("chat.npz"); prog.load_state("chat.npz")
+
+Without `state=`, a stateful method runs on the program's default state. A State belongs to one program and is
+used by one call at a time (calls on it are serialized); different States run in parallel. The state's bytes
+never cross into Python on a call: `last_copy_stats` counts only the method's inputs and outputs.
+
+A State is made lazily, per module that holds states (a backend "domain"): its engine storage is created by the
+first call that needs it, so a State that only has values written or loaded keeps them here until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from onecopy.errors import ExecutionError, InvalidArgument
+from onecopy.program import DelegateCall, StateDef
+from onecopy.runtime._layout import same_shapes
+from onecopy.runtime.copy_stats import CopyStats
+
+if TYPE_CHECKING:
+    from onecopy.runtime.backend import DelegateHandle
+    from onecopy.runtime.method import Method
+    from onecopy.runtime.program import Program
+
+__all__ = ["State", "execute_stateful"]
+
+log = logging.getLogger("onecopy")
+
+
+class State:
+    """The states of one program, at their own values. Make one with `Program.create_state()` or
+    `Program.load_state(path)`; use it with `method.execute(inputs, state=s)`."""
+
+    def __init__(self, program: Program, _token: object = None):
+        if _token is not _TOKEN:
+            raise InvalidArgument("Create a State with program.create_state() or program.load_state(path).")
+        self._program = program
+        self._defs: dict[str, StateDef] = {d.name: d for d in program.definition.states}
+        # Serializes the calls on this state: one VM context is not for concurrent use.
+        self._lock = threading.RLock()
+        self._domains: dict[int, tuple[Any, Any]] = {}  # id(domain) -> (domain, backend state)
+        self._by_name: dict[str, Any] = {}  # state name -> backend state holding it
+        self._pending: dict[str, np.ndarray] = {}  # values set before the engine held them
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<onecopy.State of {self._program.source!r}: {', '.join(self._defs)}>"
+
+    def names(self) -> list[str]:
+        """The program's state names, e.g. ['key_cache_0', 'value_cache_0', ...]."""
+        return list(self._defs)
+
+    def _check(self, name: str | None = None) -> None:
+        if self._closed and not self._program.closed:
+            raise ExecutionError("This State was closed (State.close()); create a new one with program.create_state().")
+        if self._closed or self._program.closed:
+            raise ExecutionError(
+                f"This State belongs to program '{self._program.source}', which is closed; load the program again "
+                "and create a new state (save() one before closing to keep its values)."
+            )
+        if name is not None and name not in self._defs:
+            raise InvalidArgument(
+                f"Program '{self._program.source}' has no state '{name}'; it has {', '.join(self._defs) or 'none'}."
+            )
+
+    def _initial(self, name: str) -> np.ndarray:
+        d = self._defs[name]
+        shape = [int(x) for x in d.spec.shape]
+        if d.initial is None:
+            return np.zeros(shape, d.spec.dtype)
+        return np.frombuffer(self._program._file.named_data[d.initial], d.spec.dtype).reshape(shape).copy()
+
+    def read(self, name: str) -> np.ndarray:
+        """A copy of state `name` as it is now."""
+        with self._lock:
+            self._check(name)
+            backend = self._by_name.get(name)
+            if backend is not None:
+                return backend.read(name)
+            pending = self._pending.get(name)
+            return pending.copy() if pending is not None else self._initial(name)
+
+    def write(self, name: str, value: Any) -> None:
+        """Set state `name` to `value` (same shape and dtype)."""
+        with self._lock:
+            self._check(name)
+            array = self._checked(name, value, "State.write")
+            backend = self._by_name.get(name)
+            if backend is not None:
+                backend.write({name: array})
+            else:
+                self._pending[name] = array.copy()
+
+    def _checked(self, name: str, value: Any, what: str) -> np.ndarray:
+        d = self._defs[name]
+        array = np.asarray(value)
+        shape = [int(x) for x in d.spec.shape]
+        if list(array.shape) != shape or array.dtype != np.dtype(d.spec.dtype):
+            raise InvalidArgument(
+                f"{what}: state '{name}' is {shape} {d.spec.dtype}, got {list(array.shape)} {array.dtype}."
+            )
+        return np.require(array, requirements="C")  # keeps a 0-d array 0-d, unlike ascontiguousarray
+
+    def reset(self) -> None:
+        """Every state back to its initial value (zeros for a KV cache)."""
+        with self._lock:
+            self._check()
+            self._pending.clear()
+            for _, backend in self._domains.values():
+                backend.reset()
+
+    def copy(self) -> State:
+        """A new, independent State of the same program holding this one's values now (e.g. to fork several
+        continuations after one shared prompt)."""
+        with self._lock:
+            self._check()
+            fork = self._program.create_state()
+            fork._pending = self._values()
+            return fork
+
+    def _values(self) -> dict[str, np.ndarray]:
+        """Copies of every state: one engine read per module holding some."""
+        values: dict[str, np.ndarray] = {}
+        for _, backend in self._domains.values():
+            values.update(backend.read_all())
+        for name in self._defs:
+            if name not in values:
+                pending = self._pending.get(name)
+                values[name] = pending.copy() if pending is not None else self._initial(name)
+        return {name: values[name] for name in self._defs}
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write every state to `path` (numpy .npz) atomically: never a half-written file."""
+        target = Path(path)
+        with self._lock:
+            self._check()
+            values = self._values()
+        directory = target.parent if str(target.parent) else Path(".")
+        if not directory.is_dir():
+            raise InvalidArgument(f"Cannot save the state to '{target}': directory '{directory}' does not exist.")
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                np.savez(out, **{f"s{i}": v for i, v in enumerate(values.values())},
+                         __names__=np.array(list(values), dtype=np.str_))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return target
+
+    def _load(self, path: str | os.PathLike[str]) -> None:
+        where = str(path)
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                names = [str(n) for n in data["__names__"]]
+                values = {name: data[f"s{i}"] for i, name in enumerate(names)}
+        except FileNotFoundError:
+            raise InvalidArgument(f"State file '{where}' does not exist.") from None
+        except (OSError, ValueError, KeyError) as e:
+            raise InvalidArgument(f"'{where}' is not a state saved by State.save: {e}.") from e
+        if sorted(names) != sorted(self._defs):
+            raise InvalidArgument(
+                f"State file '{where}' holds states {sorted(names)}, but program '{self._program.source}' has "
+                f"{sorted(self._defs)}; it was saved from another program."
+            )
+        for name, value in values.items():
+            self._pending[name] = self._checked(name, value, f"State file '{where}'")
+
+    def _backend_for(self, handle: DelegateHandle) -> Any:
+        domain = handle.state_domain()
+        known = self._domains.get(id(domain))
+        if known is not None and known[0] is domain:
+            return known[1]
+        backend = handle.create_state()
+        pending = {name: self._pending.pop(name) for name in handle.state_names if name in self._pending}
+        if pending:
+            backend.write(pending)
+        for name in handle.state_names:
+            self._by_name[name] = backend
+        self._domains[id(domain)] = (domain, backend)
+        return backend
+
+    def close(self) -> None:
+        """Release the engine memory of this state (its caches). Later use is an error."""
+        with self._lock:
+            self._closed = True
+            for _, backend in self._domains.values():
+                backend.close()
+            self._domains.clear()
+            self._by_name.clear()
+
+
+_TOKEN = object()
+
+
+def new_state(program: Program) -> State:
+    return State(program, _TOKEN)
+
+
+def load_state(program: Program, path: str | os.PathLike[str]) -> State:
+    state = State(program, _TOKEN)
+    state._load(path)
+    return state
+
+
+def _check_bounds(method: Method, inputs: Sequence[np.ndarray]) -> None:
+    for index, (low, high) in method._definition.input_bounds.items():
+        array = inputs[index]
+        if array.size == 1:  # a decode step's position: item() is a tenth of min() + max()
+            lowest = highest = int(array.item())
+        elif array.size == 0:
+            continue
+        else:
+            lowest, highest = int(array.min()), int(array.max())
+        if lowest < low or highest > high:
+            bad = highest if highest > high else lowest
+            raise ExecutionError(
+                f"Input {index} of method '{method.name}' holds {bad}, outside "
+                f"[{low}, {high}], the values it was exported for: the engine does not check indices, so a cache "
+                "position past max_cache_len or a token id past the vocabulary is refused here. Start a new state "
+                "(state.reset()), or export with a larger max_cache_len."
+            )
+
+
+# Input signatures a stateful method keeps for calls that skip the checks (as Method's CHECKED_KEPT).
+CALLS_KEPT = 4
+
+
+class _CheckedStateCall:
+    """A stateful method that is one delegate call, on numpy inputs of one signature (shapes and dtypes, held by
+    `templates`) that passed `Method._arguments`: later calls of that signature with no output storage go straight
+    to the delegate. The checks are most of what a call costs on top of the engine (~15 of ~20 us on a decode
+    step of 0.12 ms). Immutable; shared by threads."""
+
+    __slots__ = ("templates", "_handle", "_arguments", "_call", "_bounds")
+
+    def __init__(self, method: Method, handle: DelegateHandle, templates: tuple[np.ndarray, ...]) -> None:
+        definition = method._definition
+        whole = method._whole_call
+        position = {vid: i for i, vid in enumerate(definition.inputs)}
+        self.templates = templates
+        self._handle = handle
+        # Per delegate input: the index of the method input it is, or a constant of the program.
+        self._arguments = tuple(position[v] if v in position else method._constants[v] for v in whole.inputs)
+        shapes = [a if isinstance(a, np.ndarray) else templates[a] for a in self._arguments]
+        self._call = handle.state_copied_call(shapes, len(whole.outputs))
+        self._bounds = bool(definition.input_bounds)
+
+    def run(self, method: Method, inputs: Sequence[np.ndarray], state: State) -> list[np.ndarray]:
+        if self._bounds:
+            _check_bounds(method, inputs)
+        arguments = [inputs[a] if type(a) is int else a for a in self._arguments]
+        stats = CopyStats()
+        with state._lock:
+            if state._closed or state._program.closed:
+                state._check()
+            produced = self._call(state._backend_for(self._handle), arguments, stats)
+        method._local.stats = stats
+        return produced
+
+
+def _remember(method: Method, inputs: Sequence[Any]) -> None:
+    whole = method._whole_call
+    if whole is None or not all(type(a) is np.ndarray for a in inputs):
+        return
+    handle = method._delegates[whole.delegate]
+    templates = tuple(np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in inputs)
+    known = getattr(method, "_state_calls", ())
+    if any(same_shapes(list(templates), c.templates) for c in known):
+        return
+    method._state_calls = (_CheckedStateCall(method, handle, templates), *known)[:CALLS_KEPT]
+
+
+def execute_stateful(method: Method, inputs: Sequence[Any], outputs: Sequence[Any] | None,
+                     state: State | None) -> list[np.ndarray]:
+    """Run a method on `state` (None: its program's default state)."""
+    program = method._owner
+    if program is None:
+        raise InvalidArgument(f"Method '{method.name}' was not loaded by a Program; it cannot take state=.")
+    if not method._definition.states:
+        raise InvalidArgument(f"Method '{method.name}' keeps no state; call it without state=.")
+    if state is None:
+        state = program.default_state
+    elif type(state) is not State:
+        raise InvalidArgument(f"state= takes an onecopy State (program.create_state()), got {type(state).__name__}.")
+    elif state._program is not program:
+        raise InvalidArgument(
+            f"The State given to method '{method.name}' belongs to another program ('{state._program.source}'); "
+            "create one with this program's create_state()."
+        )
+    if outputs is None:
+        for checked in getattr(method, "_state_calls", ()):
+            if same_shapes(inputs, checked.templates):
+                if method._closed.is_set():
+                    method._check_open()
+                return checked.run(method, inputs, state)
+    with state._lock:
+        state._check()
+        values, storage = method._arguments(inputs, outputs)
+        definition = method._definition
+        if definition.input_bounds:
+            _check_bounds(method, [values[v] for v in definition.inputs])
+        stats = CopyStats()
+        for ins in definition.instructions:
+            if isinstance(ins, DelegateCall):
+                handle = method._delegates[ins.delegate]
+                args = [values[v] for v in ins.inputs]
+                outs = [storage.get(v) for v in ins.outputs]
+                if handle.state_names:
+                    produced = handle.execute_with_state(state._backend_for(handle), args, outs, stats)
+                else:
+                    produced = handle.execute(args, outs, stats)
+                for vid, array in zip(ins.outputs, produced):
+                    values[vid] = array
+            else:
+                method._run_host_op(ins, values)
+        results = method._results(values, storage, outputs, stats)
+    if outputs is None:
+        _remember(method, inputs)
+    return results
+
+
+class StateRegistry:
+    """A program's States, so closing the program releases their engine memory before its models."""
+
+    def __init__(self) -> None:
+        self._states: weakref.WeakSet[State] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, state: State) -> State:
+        with self._lock:
+            self._states.add(state)
+        return state
+
+    def close_all(self) -> None:
+        with self._lock:
+            states = list(self._states)
+        for state in states:
+            state.close()

@@ -1,0 +1,323 @@
+"""State: prefill + decode share a cache kept in the engine, updated in place; States are independent."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from onecopy import ExecutionError, InvalidArgument, Runtime, State
+from tests.conftest import Accumulator
+
+
+class Eager:
+    """The Accumulator in torch eager: the reference of one state."""
+
+    def __init__(self, model: Accumulator) -> None:
+        self.model = copy.deepcopy(model)
+
+    def __call__(self, x: np.ndarray, pos: np.ndarray):
+        with torch.no_grad():
+            out, steps = self.model(torch.from_numpy(x), torch.from_numpy(pos))
+        return out.numpy(), steps.numpy()
+
+
+def rows(rng, n):
+    return rng.standard_normal((n, 16), dtype=np.float32)
+
+
+@pytest.fixture
+def prog(stateful_program):
+    path, _, _ = stateful_program
+    with Runtime().load_program(path) as program:
+        yield program
+
+
+def test_prefill_and_decode_share_the_cache_as_eager_does(prog, accumulator, rng):
+    prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+    state = prog.create_state()
+    eager = Eager(accumulator)
+    x = rows(rng, 2)
+    got = prefill.execute([x, np.array([0, 1])], state=state)
+    want = eager(x, np.array([0, 1]))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for pos in (2, 3, 5):
+        x = rows(rng, 1)
+        got = decode.execute([x, np.array([pos])], state=state)
+        want = eager(x, np.array([pos]))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert int(got[1]) == int(want[1])
+    np.testing.assert_allclose(state.read("cache"), eager.model.cache.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state.read("total"), eager.model.total.numpy(), rtol=1e-5, atol=1e-5)
+    assert int(state.read("steps")) == 4
+
+
+def test_no_state_bytes_cross_into_python_per_call(prog, rng):
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    x, pos = rows(rng, 1), np.array([0])
+    outputs = decode.execute([x, pos], state=state)
+    stats = decode.last_copy_stats
+    assert stats.copied_in == x.nbytes + pos.nbytes  # the inputs, never the cache
+    assert stats.copied_out == sum(o.nbytes for o in outputs)
+
+
+def test_the_inputs_and_outputs_are_the_users_only(prog):
+    meta = prog.load_method("decode").method_meta
+    assert [list(t.shape) for t in meta.inputs] == [[1, 16], [1]]
+    assert [list(t.shape) for t in meta.outputs] == [[1, 16], []]
+    assert sorted(prog.state_names) == ["cache", "steps", "total"]
+
+
+def test_states_are_independent_and_the_default_is_its_own(prog, rng):
+    decode = prog.load_method("decode")
+    a, b = prog.create_state(), prog.create_state()
+    x = rows(rng, 1)
+    for _ in range(3):
+        decode.execute([x, np.array([0])], state=a)
+    decode.execute([x, np.array([1])], state=b)
+    decode.execute([x, np.array([1])])  # the program's default state
+    decode.execute([x, np.array([1])])
+    assert int(a.read("steps")) == 3 and int(b.read("steps")) == 1
+    assert int(prog.default_state.read("steps")) == 2
+    assert not b.read("cache")[0].any() and a.read("cache")[0].any()
+
+
+def test_reset_restores_initial_values_zeros_and_nonzero(prog, rng):
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    np.testing.assert_array_equal(state.read("total"), np.ones(16, np.float32))  # before any call
+    decode.execute([rows(rng, 1), np.array([4])], state=state)
+    assert state.read("cache").any() and not np.array_equal(state.read("total"), np.ones(16, np.float32))
+    state.reset()
+    assert not state.read("cache").any() and int(state.read("steps")) == 0
+    np.testing.assert_array_equal(state.read("total"), np.ones(16, np.float32))
+
+
+def test_copy_forks_after_a_shared_prompt(prog, rng):
+    prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+    state = prog.create_state()
+    prefill.execute([rows(rng, 2), np.array([0, 1])], state=state)
+    fork = state.copy()
+    x1, x2 = rows(rng, 1), rows(rng, 1)
+    a = decode.execute([x1, np.array([2])], state=state)[0]
+    b = decode.execute([x2, np.array([2])], state=fork)[0]
+    c = decode.execute([x2, np.array([3])], state=fork.copy())[0]  # a copy of a state that ran
+    assert not np.allclose(a, b)
+    assert int(state.read("steps")) == 2 and int(fork.read("steps")) == 2
+    assert not np.allclose(b, c)
+
+
+def test_save_and_load_round_trip(prog, rng, tmp_path):
+    prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+    state = prog.create_state()
+    prefill.execute([rows(rng, 2), np.array([0, 1])], state=state)
+    path = state.save(tmp_path / "chat.npz")
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.npz"]  # written atomically: no temp file left
+    loaded = prog.load_state(path)
+    for name in state.names():
+        np.testing.assert_array_equal(loaded.read(name), state.read(name))
+    x = rows(rng, 1)
+    np.testing.assert_allclose(decode.execute([x, np.array([2])], state=loaded)[0],
+                               decode.execute([x, np.array([2])], state=state)[0], rtol=1e-6)
+
+
+def test_load_refuses_a_file_of_other_states(prog, tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, s0=np.zeros(3, np.float32), __names__=np.array(["cache"]))
+    with pytest.raises(InvalidArgument, match="holds states \\['cache'\\]"):
+        prog.load_state(bad)
+    state = prog.create_state()
+    names = state.names()
+    values = {f"s{i}": state.read(n) for i, n in enumerate(names)}
+    values[f"s{names.index('cache')}"] = np.zeros((4, 16), np.float32)
+    np.savez(bad, __names__=np.array(names), **values)
+    with pytest.raises(InvalidArgument, match="state 'cache' is \\[8, 16\\] float32, got \\[4, 16\\] float32"):
+        prog.load_state(bad)
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        prog.load_state(tmp_path / "missing.npz")
+
+
+def test_a_state_of_another_program_is_refused(stateful_program, prog, rng):
+    path, _, _ = stateful_program
+    with Runtime().load_program(path) as other:
+        foreign = other.create_state()
+        with pytest.raises(InvalidArgument, match="belongs to another program"):
+            prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=foreign)
+    with pytest.raises(InvalidArgument, match="takes an onecopy State"):
+        prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state="default")
+
+
+def test_a_state_used_after_its_program_closed_is_an_error(stateful_program, rng):
+    path, _, _ = stateful_program
+    program = Runtime().load_program(path)
+    decode = program.load_method("decode")
+    state = program.create_state()
+    decode.execute([rows(rng, 1), np.array([0])], state=state)
+    program.close()
+    with pytest.raises(ExecutionError, match="closed"):
+        state.read("cache")
+    with pytest.raises(ExecutionError, match="closed"):
+        decode.execute([rows(rng, 1), np.array([0])], state=state)
+
+
+def test_calls_on_one_state_are_serialized_and_states_run_in_parallel(prog, rng):
+    decode = prog.load_method("decode")
+    shared = prog.create_state()
+    own = [prog.create_state() for _ in range(2)]
+    x = rows(rng, 1)
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                decode.execute([x, np.array([i])], state=shared)
+                decode.execute([x, np.array([i])], state=own[i])
+        except Exception as e:  # reported below: a thread's exception would otherwise be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert int(shared.read("steps")) == 40  # no update lost
+    assert [int(s.read("steps")) for s in own] == [20, 20]
+
+
+def test_a_shared_model_shares_weights_never_state(stateful_program, rng):
+    path, _, multifunction = stateful_program
+    if not multifunction:
+        pytest.skip("share_multifunction_model needs a multifunction program")
+    options = {"IreeBackend": {"share_multifunction_model": True}}
+    with Runtime().load_program(path, backend_options=options) as p1, \
+            Runtime().load_program(path, backend_options=options) as p2:
+        d1, d2 = p1.load_method("decode"), p2.load_method("decode")
+        assert next(iter(d1._delegates.values())).model is next(iter(d2._delegates.values())).model
+        x = rows(rng, 1)
+        d1.execute([x, np.array([0])])
+        assert int(p1.default_state.read("steps")) == 1 and int(p2.default_state.read("steps")) == 0
+
+
+def test_state_is_refused_by_a_method_without_state(small_program_path):
+    with Runtime().load_program(small_program_path) as program:
+        method = program.load_method("forward")
+        with pytest.raises(InvalidArgument, match="keeps no state"):
+            program.create_state()
+        with pytest.raises(InvalidArgument, match="keeps no state"):
+            method.execute([np.zeros((1, 64), np.float32)], state=object())
+
+
+def test_write_checks_shape_and_dtype(prog):
+    state = prog.create_state()
+    with pytest.raises(InvalidArgument, match="state 'steps' is \\[\\] int64, got \\[\\] int32"):
+        state.write("steps", np.int32(3))
+    state.write("steps", np.int64(7))
+    assert int(state.read("steps")) == 7
+    with pytest.raises(InvalidArgument, match="has no state 'nope'"):
+        state.read("nope")
+    assert isinstance(state, State)
+
+
+def test_a_dynamic_prefill_updates_state_at_every_size(accumulator, rng):
+    from onecopy.export import CompileSpec, export_program
+
+    tokens = torch.export.Dim("T", min=1, max=8)
+    ep = torch.export.export(accumulator, (torch.zeros(2, 16), torch.tensor([0, 1])),
+                             dynamic_shapes=({0: tokens}, {0: tokens}))
+    program = export_program({"prefill": ep}, compile_spec=CompileSpec(packaging="mlir"))
+    eager = Eager(accumulator)
+    with Runtime().load_program(program.to_bytes()) as prog:
+        prefill = prog.load_method("prefill")
+        for n, start in ((3, 0), (1, 3), (4, 4)):
+            x, pos = rows(rng, n), np.arange(start, start + n)
+            got, want = prefill.execute([x, pos]), eager(x, pos)
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+            assert int(got[1]) == int(want[1])
+        np.testing.assert_allclose(prog.default_state.read("cache"), eager.model.cache.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_position_past_the_cache_wraps_instead_of_writing_past_it(prog, rng):
+    # IREE does not check scatter indices: unguarded, this wrote past the cache and corrupted the heap.
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    x = rows(rng, 1)
+    for _ in range(50):
+        decode.execute([x, np.array([8 * 1000 + 3])], state=state)
+    cache = state.read("cache")
+    assert cache[3].any() and not np.delete(cache, 3, axis=0).any()
+
+
+def test_writing_one_state_keeps_the_others(prog, rng):
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    decode.execute([rows(rng, 1), np.array([2])], state=state)  # the engine holds the state from here on
+    cache, total = state.read("cache"), state.read("total")
+    state.write("steps", np.int64(41))
+    assert int(state.read("steps")) == 41
+    np.testing.assert_array_equal(state.read("cache"), cache)
+    np.testing.assert_array_equal(state.read("total"), total)
+    assert int(decode.execute([rows(rng, 1), np.array([3])], state=state)[1]) == 42
+
+
+class BreaksBetween(torch.nn.Module):
+    """A graph break between a cache update and the ops reading the updated cache (relu on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(64, 16))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, self.proj(x))
+        h = torch.relu(self.cache.sum(0, keepdim=True))
+        self.steps.add_(1)
+        return h + self.cache.mean(0, keepdim=True) * self.steps, self.steps.clone()
+
+
+@pytest.mark.parametrize("multifunction", [True, False], ids=["multifunction", "single"])
+def test_a_graph_break_in_a_stateful_method_reads_the_cache_from_the_engine(multifunction, rng):
+    from onecopy.export import CompileSpec, Partitioner, export_program
+
+    torch.manual_seed(0)
+    model = BreaksBetween()
+    methods = {"decode": torch.export.export(model, (torch.zeros(1, 16), torch.tensor([0])))}
+    program = export_program(methods, compile_spec=CompileSpec(packaging="mlir"),
+                             partitioner=Partitioner(multifunction=multifunction, skip_ops=("aten.relu.default",)))
+    assert len([i for i in program.definition.methods[0].instructions if type(i).__name__ == "DelegateCall"]) == 2
+    eager = copy.deepcopy(model)
+    with Runtime().load_program(program.to_bytes()) as prog:
+        decode = prog.load_method("decode")
+        for pos in (0, 5, 9):
+            x = rows(rng, 1)
+            got = decode.execute([x, np.array([pos])])
+            with torch.no_grad():
+                want = eager(torch.from_numpy(x), torch.tensor([pos]))
+            np.testing.assert_allclose(got[0], want[0].numpy(), rtol=1e-5, atol=1e-5)
+            assert int(got[1]) == int(want[1])
+        stats = decode.last_copy_stats
+        assert stats.copied < 64 * 16 * 4  # the small values around the host op, never the cache
+        np.testing.assert_allclose(prog.default_state.read("cache"), eager.cache.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_state_says_so(prog, rng):
+    state = prog.create_state()
+    prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=state)
+    state.close()
+    with pytest.raises(ExecutionError, match="This State was closed \\(State.close\\(\\)\\)"):
+        prog.load_method("decode").execute([rows(rng, 1), np.array([0])], state=state)
+
+
+def test_outputs_written_into_caller_storage(prog, rng):
+    decode = prog.load_method("decode")
+    state, twin = prog.create_state(), prog.create_state()
+    x = rows(rng, 1)
+    out = np.full((1, 16), np.nan, np.float32)
+    got = decode.execute([x, np.array([1])], outputs=[out, None], state=state)
+    assert got[0] is out
+    np.testing.assert_array_equal(out, decode.execute([x, np.array([1])], state=twin)[0])
