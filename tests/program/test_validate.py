@@ -18,6 +18,7 @@ from onecopy.program import (
     NamedDataStore,
     ProgramDef,
     ProgramFile,
+    StateDef,
     TensorSpec,
     ValueArg,
     read_program,
@@ -30,6 +31,7 @@ def program() -> bytes:
     """A method of a delegate call and a host op reading a constant, with a dynamic dimension."""
     store = NamedDataStore()
     store.add("param/w", np.ones((4, 4), np.float32))
+    store.add("state/c", np.arange(8, dtype=np.float32))  # the initial value of state 'cache'
     store.add("bundle/b", b"code", alignment=16)
     method = MethodDef(
         name="forward",
@@ -44,9 +46,13 @@ def program() -> bytes:
         ],
         constants=[ConstantDef(id=1, key="param/w", spec=TensorSpec(shape=[4, 4], dtype="float32"))],
         symbols={"s0": [1, 64]},
+        states=["cache"],
+        input_bounds={0: [0, 63]},
     )
     delegate = DelegateDef(backend="IreeBackend", manifest={"input_names": ["x"], "output_names": ["y"]})
-    return ProgramFile(ProgramDef(methods=[method], delegates=[delegate], segments=[]), store).to_bytes()
+    state = StateDef(name="cache", spec=TensorSpec(shape=[2, 4], dtype="float32"), initial="state/c")
+    return ProgramFile(ProgramDef(methods=[method], delegates=[delegate], segments=[], states=[state]),
+                       store).to_bytes()
 
 
 def test_the_whole_program_passes():
@@ -95,6 +101,15 @@ CASES = [
     (("segments", 0, "sha256"), "abc", "segment 'param/w', field sha256: 'abc' is not a sha256"),
     (("segments", 1, "key"), "param/w", "segment 'param/w': a second segment with this key"),
     (("delegates", 0, "backend"), "", "delegate 0, field backend: the backend name is empty"),
+    ((*M, "states", 0), "kv", "method 'forward', field states: state 'kv' is not among the program's states"),
+    ((*M, "input_bounds"), {"3": [0, 1]}, "method 'forward', field input_bounds: input 3 does not exist; the method has 1"),
+    ((*M, "input_bounds"), {"0": [5, 1]}, "method 'forward', field input_bounds[0]: [5, 1] is not [min, max]"),
+    (("states", 0, "spec", "shape"), [2, "s0"], "state 0 ('cache'), field spec: shape [2, 's0'] is dynamic"),
+    (("states", 0, "spec", "shape"), [4, 4],
+     "state 0 ('cache'), field initial: float32[4, 4] needs 64 bytes, its initial value has 32"),
+    (("states", 0, "initial"), "state/nope", "state 0 ('cache'), field initial: named data 'state/nope' is not among"),
+    (("states", 0, "spec", "dtype"), "object", "state 0 ('cache'), field spec, field dtype: 'object' is not a dtype"),
+    (("states", 0, "name"), "", "state 0 (''), field name: the name is empty or names another state too"),
 ]
 
 
@@ -113,10 +128,10 @@ def test_a_damaged_header_fails_at_load_naming_the_field(path, value, message):
 
 def test_an_unaligned_segment_offset_is_refused():
     data = program()
-    offset = header_of(data)["segments"][1]["offset"]  # the bundle, aligned to 16
+    offset = header_of(data)["segments"][2]["offset"]  # the bundle, aligned to 16
     with pytest.raises(ProgramFormatError, match=f"segment 'bundle/b', field offset: {offset + 8} is not a multiple "
                                                  "of its alignment 16"):
-        read_program(with_field(data, ("segments", 1, "offset"), offset + 8))
+        read_program(with_field(data, ("segments", 2, "offset"), offset + 8))
 
 
 def test_two_methods_of_one_name_are_refused():

@@ -63,6 +63,7 @@ def structure_problems(definition: ProgramDef, *, file_size: int, header_end: in
                                     f"a second method named '{method.name}'; method names must be unique"))
         seen.add(method.name)
         problems.extend(_method_problems(method, definition.delegates, segments))
+    problems.extend(_state_problems(definition, segments))
     for index, delegate in enumerate(definition.delegates):
         if not delegate.backend:
             problems.append(Problem(f"delegate {index}, field backend", "the backend name is empty"))
@@ -213,6 +214,42 @@ def _arity_problems(call: DelegateCall, manifest: dict, where: str) -> Iterator[
             yield Problem(f"{where}, field {field}",
                           f"{len(values)} {field} for delegate {call.delegate}, whose manifest names "
                           f"{len(names)} ({field[:-1]}_names)")
+
+
+def _state_problems(definition: ProgramDef, segments: Mapping[str, SegmentDef]) -> Iterator[Problem]:
+    """States: unique names, static specs, an initial value of their size; every state a method names exists and
+    every input bound names an input."""
+    names: set[str] = set()
+    for index, state in enumerate(definition.states):
+        where = f"state {index} ('{state.name}')"
+        if not state.name or state.name in names:
+            yield Problem(f"{where}, field name", "the name is empty or names another state too")
+        names.add(state.name)
+        spec_problems = list(_spec_problems(state.spec, f"{where}, field spec"))
+        yield from spec_problems
+        if any(isinstance(d, str) for d in state.spec.shape):
+            yield Problem(f"{where}, field spec", f"shape {state.spec.shape} is dynamic; a state's is static")
+        elif state.initial is not None and not spec_problems:
+            segment = segments.get(state.initial)
+            nbytes = _ITEMSIZE[state.spec.dtype]
+            for d in state.spec.shape:
+                nbytes *= int(d)
+            if segment is None:
+                yield Problem(f"{where}, field initial", f"named data '{state.initial}' is not among the segments")
+            elif segment.length != nbytes:
+                yield Problem(f"{where}, field initial", f"{state.spec.dtype}{state.spec.shape} needs {nbytes} "
+                                                         f"bytes, its initial value has {segment.length}")
+    for index, method in enumerate(definition.methods):
+        at = f"method '{method.name}'"
+        for name in method.states:
+            if name not in names:
+                yield Problem(f"{at}, field states", f"state '{name}' is not among the program's states")
+        for position, bounds in method.input_bounds.items():
+            if not 0 <= position < len(method.inputs):
+                yield Problem(f"{at}, field input_bounds", f"input {position} does not exist; the method has "
+                                                           f"{len(method.inputs)}")
+            elif len(bounds) != 2 or bounds[0] > bounds[1]:
+                yield Problem(f"{at}, field input_bounds[{position}]", f"{bounds} is not [min, max]")
 
 
 def _spec_problems(spec: TensorSpec, where: str) -> Iterator[Problem]:
