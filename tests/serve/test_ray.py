@@ -65,8 +65,10 @@ def local(tiny_program_path):
         yield {name: program.load_method(name) for name in program.method_names}
 
 
-def http(url: str, body: bytes | None = None, content_type: str = "application/json", method: str | None = None):
-    request = urllib.request.Request(url, data=body, method=method, headers={"content-type": content_type})
+def http(url: str, body: bytes | None = None, content_type: str = "application/json", method: str | None = None,
+         headers: dict[str, str] | None = None):
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"content-type": content_type, **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, response.headers.get("content-type"), response.read()
@@ -202,3 +204,37 @@ def test_a_replica_killed_while_loading_or_after_starting_is_replaced_and_serves
         pytest.fail("no replica of 'phoenix' served within 90 s of the kill")
     assert replica_pids("phoenix") - {killed, second}
     serve.delete("phoenix")
+
+
+@pytest.fixture(scope="module")
+def stateful(base_url, tmp_path_factory):
+    """The Accumulator's prefill + decode (three states) on one replica, under /acc."""
+    from onecopy.export import Partitioner, export_program
+    from tests.conftest import accumulator_methods
+
+    path = export_program(accumulator_methods(), partitioner=Partitioner(multifunction=True)).save(
+        tmp_path_factory.mktemp("serve") / "accumulator.onecopy")
+    app = deployment(path, replicas=1, max_sessions=4, ray_actor_options={"num_cpus": 0.5}, name="acc")
+    return serve.run(app, name="acc", route_prefix="/acc"), path
+
+
+def test_sessions_over_the_handle_and_http_keep_their_state_in_the_replica(stateful, base_url, rng):
+    handle, path = stateful
+    prompt = rng.standard_normal((2, 16), dtype=np.float32)
+    step = rng.standard_normal((1, 16), dtype=np.float32)
+    with Runtime().load_program(path) as program:
+        alone = program.create_state()
+        expected = [program.load_method("prefill").execute([prompt, np.array([0, 1])], state=alone),
+                    program.load_method("decode").execute([step, np.array([2])], state=alone)]
+    session = handle.options(multiplexed_model_id="chat-1")
+    first = session.remote("prefill", [prompt, np.array([0, 1])], new_session=True).result()
+    body = json.dumps({"inputs": [step.tolist(), [2]]}).encode()
+    status, _, answer = http(f"{base_url}/acc/decode", body,
+                             headers={"serve_multiplexed_model_id": "chat-1"})
+    assert status == 200, answer
+    second = [np.asarray(o) for o in json.loads(answer)["outputs"]]
+    for got, want in zip([first, second], expected):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+        assert int(np.asarray(got[1])) == int(want[1])
+    status, _, answer = http(f"{base_url}/acc/decode", body, headers={"serve_multiplexed_model_id": "nobody"})
+    assert status == 409 and b"Session 'nobody' is not on this replica" in answer

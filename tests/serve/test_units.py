@@ -275,6 +275,45 @@ def test_a_stateful_method_runs_on_its_session_state(tiny_program_path, monkeypa
         server.close()
 
 
+@pytest.fixture(scope="module")
+def stateful_path(tmp_path_factory):
+    from onecopy.export import Partitioner, export_program
+    from tests.conftest import accumulator_methods
+
+    return export_program(accumulator_methods(), partitioner=Partitioner(multifunction=True)).save(
+        tmp_path_factory.mktemp("serve") / "accumulator.onecopy")
+
+
+def test_sessions_keep_their_own_engine_state_across_prefill_and_decode(stateful_path, rng):
+    """Two sessions interleaved on one replica give what each gives on a State of its own, called alone."""
+    from onecopy import Runtime
+
+    server = ProgramServer(stateful_path, plan(stateful_path, max_sessions=2))
+    prompts = {s: rng.standard_normal((2, 16), dtype=np.float32) for s in "ab"}
+    steps = {s: rng.standard_normal((1, 16), dtype=np.float32) for s in "ab"}
+    try:
+        assert server.is_stateful("prefill") and server.is_stateful("decode")
+        got = {s: [server.execute("prefill", [prompts[s], np.array([0, 1])], session=s, new_session=True)]
+               for s in "ab"}
+        for s in "ab":
+            got[s].append(server.execute("decode", [steps[s], np.array([2])], session=s))
+        server.execute("decode", [steps["a"], np.array([3])], session="c", new_session=True)  # evicts a (LRU)
+        with pytest.raises(SessionNotFound, match=r"Session 'a' is not on this replica"):
+            server.execute("decode", [steps["a"], np.array([3])], session="a")
+    finally:
+        server.close()
+    with Runtime().load_program(stateful_path) as program:
+        prefill, decode = program.load_method("prefill"), program.load_method("decode")
+        for s in "ab":
+            alone = program.create_state()
+            expected = [prefill.execute([prompts[s], np.array([0, 1])], state=alone),
+                        decode.execute([steps[s], np.array([2])], state=alone)]
+            for step, (mine, theirs) in enumerate(zip(got[s], expected)):
+                for a, b in zip(mine, theirs):
+                    np.testing.assert_array_equal(a, b, err_msg=f"session {s}, step {step}")
+            assert int(got[s][1][1]) == 2  # the session's own step counter: prefill, then decode
+
+
 def test_the_serve_command_checks_the_program_before_starting_ray(tmp_path, capsys):
     from onecopy.cli import build_parser, main
 

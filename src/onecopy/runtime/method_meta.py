@@ -47,6 +47,12 @@ class MethodMeta:
     outputs: tuple[TensorMeta, ...]
     instructions: tuple[str, ...]  # "delegate_call 0", "host_op aten.relu.default"
     delegates: tuple[DelegateMeta, ...]
+    states: tuple[str, ...] = ()  # program states the method reads and updates in place (a KV cache)
+
+    @property
+    def stateful(self) -> bool:
+        """Whether calls run on a `State` (`execute(..., state=...)`; the program's default one without it)."""
+        return bool(self.states)
 
     @classmethod
     def from_definition(cls, method: MethodDef, program: ProgramDef) -> "MethodMeta":
@@ -72,4 +78,5 @@ class MethodMeta:
             tuple(TensorMeta.from_spec(s) for s in method.output_specs),
             tuple(instructions),
             tuple(delegates),
+            tuple(method.states),
         )

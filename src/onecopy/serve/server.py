@@ -61,8 +61,7 @@ class ServeConfig:
 
 def uses_state(meta: MethodMeta) -> bool:
     """Whether a method reads and updates program State (a KV cache kept in the engine)."""
-    # Stateful methods arrive with runtime State (DESIGN.md "State"); until MethodMeta says so, none is.
-    return bool(getattr(meta, "stateful", False))
+    return meta.stateful
 
 
 def backend_options_for(program: Any, given: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]]:
