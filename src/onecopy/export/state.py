@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from onecopy.errors import ExportError
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
 
-__all__ = ["StateBinding", "ProgramStates", "collect_states", "stage_helpers", "register_states"]
+__all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "register_states", "stage_helpers"]
 
 STATE_PREFIX = "onecopy_state_"
 
@@ -139,12 +139,6 @@ def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, b
             name=name, spec=TensorSpec(shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")),
             initial=key))
     return states
-
-
-def mutation_targets(ep: ExportedProgram) -> dict[str, str]:
-    """Output name -> buffer FQN of the buffers the program updates."""
-    return {spec.arg.name: spec.target for spec in ep.graph_signature.output_specs
-            if spec.kind == OutputKind.BUFFER_MUTATION}
 
 
 def register_states(root: torch.nn.Module, states: list[StateBinding]) -> None:
