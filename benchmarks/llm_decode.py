@@ -101,6 +101,17 @@ def main() -> None:
                 for p in positions:
                     decode.execute([ids, np.array([p])], state=state)
 
+            default_threads = torch.get_num_threads()
+
+            def run_torch_1t():
+                # One intra-op thread: on 2 shared cores torch's default (2) ran 5-10x slower when anything else
+                # was running, so both are reported.
+                torch.set_num_threads(1)
+                try:
+                    run_torch()
+                finally:
+                    torch.set_num_threads(default_threads)
+
             def run_torch():
                 with torch.no_grad():
                     for p in positions:
@@ -125,7 +136,7 @@ def main() -> None:
                     view = results.get_as_object(0, rt.HalBufferView)
                     np.array(view.map().asarray(tuple(view.shape), np.dtype(np.float32)))
 
-            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch}
+            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch, "torch 1 thread": run_torch_1t}
             times = {name: [] for name in peers}
             for fn in peers.values():  # warm-up
                 fn()
@@ -140,14 +151,17 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) / args.calls * 1e3)
             medians = {name: statistics.median(t) for name, t in times.items()}
             paired = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch"]))
+            paired_1t = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch 1 thread"]))
             over_raw = statistics.median(a / b for a, b in zip(times["onecopy"], times["raw IREE"]))
             cache_mib = sum(state.read(n).nbytes for n in state.names()) / 2**20
             rows.append({"max_cache_len": size, "cache_mib": round(cache_mib, 3),
                          "ms_per_token": {k: round(v, 4) for k, v in medians.items()},
-                         "onecopy_over_torch": round(paired, 3), "onecopy_over_raw_iree": round(over_raw, 3)})
+                         "onecopy_over_torch": round(paired, 3), "onecopy_over_torch_1_thread": round(paired_1t, 3),
+                         "onecopy_over_raw_iree": round(over_raw, 3)})
             print(f"max_cache_len {size:5d} ({cache_mib:6.2f} MiB cache): onecopy {medians['onecopy']:.3f} ms/token, "
-                  f"raw IREE {medians['raw IREE']:.3f}, torch eager {medians['torch']:.3f}; onecopy / torch "
-                  f"{paired:.3f}, onecopy / raw IREE {over_raw:.3f} (paired by round)")
+                  f"raw IREE {medians['raw IREE']:.3f}, torch eager {medians['torch']:.3f} (1 thread "
+                  f"{medians['torch 1 thread']:.3f}); onecopy / torch {paired:.3f} (1 thread {paired_1t:.3f}), "
+                  f"onecopy / raw IREE {over_raw:.3f} (paired by round)")
             prog.close()
     scaling = update_scaling()
     out = Path(__file__).parent / "results" / "llm_decode.json"

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from onecopy.errors import ExecutionError, InvalidArgument
+from onecopy.errors import InvalidArgument
 
 __all__ = ["export_llm", "generate"]
 

@@ -321,3 +321,20 @@ def test_outputs_written_into_caller_storage(prog, rng):
     got = decode.execute([x, np.array([1])], outputs=[out, None], state=state)
     assert got[0] is out
     np.testing.assert_array_equal(out, decode.execute([x, np.array([1])], state=twin)[0])
+
+
+def test_share_state_false_keeps_the_methods_cache_apart_at_run_time(accumulator, rng):
+    from tests.conftest import accumulator_methods
+    from onecopy.export import CompileSpec, Partitioner, export_program
+
+    program = export_program(accumulator_methods(accumulator), compile_spec=CompileSpec(packaging="mlir"),
+                             partitioner={"prefill": Partitioner(multifunction=True),
+                                          "decode": Partitioner(multifunction=True, share_state=False)})
+    with Runtime().load_program(program.to_bytes()) as prog:
+        prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+        state = prog.create_state()
+        prefill.execute([rows(rng, 2), np.array([0, 1])], state=state)
+        decode.execute([rows(rng, 1), np.array([5])], state=state)
+        assert int(state.read("steps")) == 1 and int(state.read("decode.steps")) == 1
+        assert state.read("cache")[:2].any() and not state.read("cache")[5].any()
+        assert state.read("decode.cache")[5].any() and not state.read("decode.cache")[:2].any()

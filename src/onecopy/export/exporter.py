@@ -33,7 +33,7 @@ from onecopy.export.lowering import CompileFailed, LoweredBundle, StagedFunction
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
 from onecopy.runtime.host_kernels import has_host_kernel
-from onecopy.export.state import ProgramStates, StateBinding, collect_states, guard_index_writes
+from onecopy.export.state import ProgramStates, StateBinding, collect_states, guard_index_writes, state_groups
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
 from onecopy.program import (
     ConstantDef,
@@ -485,46 +485,6 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
                 "multifunction program compiles all its methods as one module. Give them the same CompileSpec."
             )
     return True
-
-
-def state_groups(partitions: list[_DelegatePartition], specs: dict[str, CompileSpec]
-                 ) -> list[list[tuple[_DelegatePartition, str]]]:
-    """Bundles without multifunction: one per partition (function `main`), except that the partitions sharing a
-    state are staged together as `<method>_<i>` of one module: a state is a global of ONE module, which every
-    function updating it must be part of."""
-    groups: list[list[_DelegatePartition]] = []
-    owner: dict[str, int] = {}  # state parameter -> group index
-    for p in partitions:
-        joined = sorted({owner[s.parameter] for s in p.states if s.parameter in owner})
-        if not joined:
-            groups.append([p])
-            index = len(groups) - 1
-        else:
-            index = joined[0]
-            for other in joined[1:]:  # p links groups that were apart: merge them
-                groups[index].extend(groups[other])
-                groups[other] = []
-                for name, g in owner.items():
-                    if g == other:
-                        owner[name] = index
-            groups[index].append(p)
-        for s in p.states:
-            owner[s.parameter] = index
-    result = []
-    for group in (g for g in groups if g):
-        methods = sorted({p.method for p in group})
-        first = specs[methods[0]]
-        for m in methods[1:]:
-            if specs[m] != first:
-                raise ExportError(
-                    f"Methods '{methods[0]}' and '{m}' share state, so they are compiled as one module, but their "
-                    "compile specs differ. Give them the same CompileSpec."
-                )
-        if len(group) == 1 and not group[0].states:
-            result.append([(group[0], "main")])
-        else:
-            result.append([(p, f"{p.method}_{p.index}") for p in sorted(group, key=lambda p: p.delegate)])
-    return result
 
 
 def _held_states(group: list[tuple[_DelegatePartition, str]]) -> list[StateBinding]:

@@ -18,18 +18,19 @@ over the one loaded module. What is measured and relied on here (see DESIGN.md, 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from onecopy.errors import ExportError
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
 
-__all__ = ["StateBinding", "ProgramStates", "collect_states", "stage_helpers", "register_states"]
+__all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "register_states", "stage_helpers", "state_groups"]
 
 STATE_PREFIX = "onecopy_state_"
 
@@ -141,12 +142,6 @@ def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, b
     return states
 
 
-def mutation_targets(ep: ExportedProgram) -> dict[str, str]:
-    """Output name -> buffer FQN of the buffers the program updates."""
-    return {spec.arg.name: spec.target for spec in ep.graph_signature.output_specs
-            if spec.kind == OutputKind.BUFFER_MUTATION}
-
-
 def register_states(root: torch.nn.Module, states: list[StateBinding]) -> None:
     """The states' globals on the module turbine stages: zeros here (and a zero splat at load)."""
     for state in states:
@@ -181,6 +176,46 @@ def stage_helpers(fxb, states: list[StateBinding]) -> None:
     fxb.export_program(name="onecopy_write_states",
                        args=tuple(torch.zeros(state.shape, dtype=state.dtype) for state in states), strict=False)(write)
     fxb.export_program(name="onecopy_reset_states", args=(), strict=False)(reset)
+
+
+def state_groups(partitions: list[Any], specs: Mapping[str, Any]) -> list[list[tuple[Any, str]]]:
+    """Bundles without multifunction: one per partition (function `main`), except that the partitions sharing a
+    state are staged together as `<method>_<i>` of one module: a state is a global of ONE module, which every
+    function updating it must be part of. `partitions` are the exporter's delegate partitions (`method`, `index`,
+    `delegate`, `states`)."""
+    groups: list[list[Any]] = []
+    owner: dict[str, int] = {}  # state parameter -> group index
+    for p in partitions:
+        joined = sorted({owner[s.parameter] for s in p.states if s.parameter in owner})
+        if not joined:
+            groups.append([p])
+            index = len(groups) - 1
+        else:
+            index = joined[0]
+            for other in joined[1:]:  # p links groups that were apart: merge them
+                groups[index].extend(groups[other])
+                groups[other] = []
+                for name, g in owner.items():
+                    if g == other:
+                        owner[name] = index
+            groups[index].append(p)
+        for s in p.states:
+            owner[s.parameter] = index
+    result = []
+    for group in (g for g in groups if g):
+        methods = sorted({p.method for p in group})
+        first = specs[methods[0]]
+        for m in methods[1:]:
+            if specs[m] != first:
+                raise ExportError(
+                    f"Methods '{methods[0]}' and '{m}' share state, so they are compiled as one module, but their "
+                    "compile specs differ. Give them the same CompileSpec."
+                )
+        if len(group) == 1 and not group[0].states:
+            result.append([(group[0], "main")])
+        else:
+            result.append([(p, f"{p.method}_{p.index}") for p in sorted(group, key=lambda p: p.delegate)])
+    return result
 
 
 def guard_index_writes(graph: fx.Graph) -> int:

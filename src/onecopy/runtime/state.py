@@ -18,7 +18,6 @@ first call that needs it, so a State that only has values written or loaded keep
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import threading
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from onecopy.runtime.program import Program
 
 __all__ = ["State", "execute_stateful"]
-
-log = logging.getLogger("onecopy")
 
 
 class State:
