@@ -122,3 +122,34 @@ def test_a_decode_step_copies_no_cache_sized_buffer(llama_path):
     copies = re.findall(r"stream\.cmd\.copy [^\n]*, %c(\d+)\b", decode)
     assert copies, "no copies at all: the pattern no longer matches IREE's stream IR"
     assert all(int(n) < cache_bytes for n in copies), copies
+
+
+@pytest.mark.parametrize("with_weights", [False, True], ids=["config-only", "checkpoint"])
+def test_export_hf_writes_a_program_that_generates_as_transformers_does(tmp_path, capsys, with_weights):
+    """`onecopy export-hf` on a config alone (random weights from --seed) and on a saved checkpoint."""
+    from onecopy.cli import main
+    from onecopy.llm import generate
+
+    model = tiny_llama()  # seed 0, as --seed 0 draws them
+    source = tmp_path / "model"
+    if with_weights:
+        with torch.no_grad():  # weights that seed 0 would not draw: the checkpoint's must be the ones used
+            model.lm_head.weight.mul_(-1)
+        model.save_pretrained(source)
+    else:
+        source.mkdir()
+        model.config.save_pretrained(source)
+    out = tmp_path / "llm.onecopy"
+    assert main(["export-hf", str(source), "-o", str(out), "--max-cache-len", "16", "--prefill-tokens", "4"]) == 0
+    said = capsys.readouterr().out
+    assert "prefill + decode, 6 states, cache of 16 tokens" in said
+    assert ("checkpoint weights" if with_weights else "random weights (seed 0") in said
+    prompt = [5, 17, 99, 3, 42]
+    assert list(generate(out, prompt, 6)) == reference(model, prompt, 6)
+
+
+def test_export_hf_refuses_what_is_not_a_model(tmp_path, capsys):
+    from onecopy.cli import main
+
+    assert main(["export-hf", str(tmp_path), "-o", str(tmp_path / "x.onecopy"), "--max-cache-len", "16"]) == 2
+    assert "is neither a model directory with a config.json nor a config.json file" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""onecopy demo | export | inspect | verify | run | bench | cache | serve"""
+"""onecopy demo | export | export-hf | inspect | verify | run | bench | cache | serve"""
 
 from __future__ import annotations
 
@@ -29,6 +29,32 @@ def _parse_shape(text: str, where: str) -> tuple[list[int], str]:
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{where}: shape '{text}' has a negative dimension.")
     return shape, dtype or "float32"
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """A transformers causal LM as prefill + decode of one program, its KV cache kept in the engine."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from onecopy.export import CompileSpec, Partitioner
+    from onecopy.llm import export_llm, load_hf_model
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task(f"loading {args.model}")
+        model, pretrained = load_hf_model(args.model, seed=args.seed)
+        progress.update(task, description="exporting prefill + decode (torch.export, then IREE compiles it)")
+        program = export_llm(model, max_cache_len=args.max_cache_len,
+                             prefill_tokens=args.prefill_tokens or min(32, args.max_cache_len),
+                             partitioner=Partitioner(multifunction=True),
+                             compile_spec=CompileSpec(packaging=args.packaging, targets=tuple(args.target)))
+        progress.update(task, description=f"writing {args.output}")
+        path = program.save(args.output)
+    kind = "checkpoint weights" if pretrained else f"random weights (seed {args.seed}: no checkpoint beside the config)"
+    print(f"wrote {path} ({_mib(path.stat().st_size)}): prefill + decode, {len(program.definition.states)} states, "
+          f"cache of {args.max_cache_len} tokens; {kind}")
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -271,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-op", action="append", default=[], help="op left on the host, e.g. aten.relu.default")
     p.add_argument("--multifunction", action="store_true", help="all methods and partitions in one engine module")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("export-hf", help="export a transformers causal LM as prefill + decode sharing its KV cache")
+    p.add_argument("model", help="a model directory (config.json + weights, as save_pretrained writes it) or a "
+                                 "config.json (random weights)")
+    p.add_argument("-o", "--output", required=True, help="program file to write")
+    p.add_argument("--max-cache-len", type=int, required=True, help="tokens the KV cache holds (prompt + generated)")
+    p.add_argument("--prefill-tokens", type=int, help="tokens one prefill call takes (default: min(32, cache))")
+    p.add_argument("--packaging", choices=("mlir", "vmfb"), default="mlir")
+    p.add_argument("--target", action="append", default=[], help="vmfb target (x86_64, aarch64, ...); repeatable")
+    p.add_argument("--seed", type=int, default=0, help="for random weights (a config without a checkpoint)")
+    p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("inspect", help="methods, instructions, delegates, functions and sizes of a program")
     p.add_argument("file")

@@ -24,7 +24,7 @@ import numpy as np
 
 from onecopy.errors import InvalidArgument
 
-__all__ = ["export_llm", "generate"]
+__all__ = ["export_llm", "generate", "load_hf_model"]
 
 # The position of the next token, as transformers' StaticCache layers keep it (a 0-d int64 per layer).
 _POSITION_STATE = "cumulative_length_0"
@@ -73,6 +73,34 @@ def export_llm(model: Any, *, max_cache_len: int, prefill_tokens: int, partition
     bounds = {0: [0, vocab - 1], 1: [0, max_cache_len - 1]}
     bounded = [msgspec.structs.replace(m, input_bounds=bounds) for m in definition.methods]
     return ProgramFile(msgspec.structs.replace(definition, methods=bounded), program.data)
+
+
+def load_hf_model(source: str | os.PathLike[str], *, seed: int = 0) -> tuple[Any, bool]:
+    """A transformers causal LM from `source`, in eval mode, and whether its weights are the checkpoint's.
+
+    `source` is a model directory (`config.json` and weights, as `save_pretrained` writes it: loaded from disk,
+    nothing is downloaded), or a `config.json` (or a directory holding only one): then the weights are random,
+    drawn with `seed`, for trying the export and the runtime on an architecture without its checkpoint."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(source)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise InvalidArgument(f"'{source}' is neither a model directory with a config.json nor a config.json file.")
+    weights = path.is_dir() and any(path.glob("*.safetensors")) or path.is_dir() and any(path.glob("*.bin"))
+    try:
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+        else:
+            config = AutoConfig.from_pretrained(config_file, local_files_only=True)
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument(f"transformers could not build a causal LM from '{source}': {e}") from e
+    return model.eval(), bool(weights)
 
 
 def _pick(logits: np.ndarray, temperature: float | None, top_k: int | None, rng: np.random.Generator) -> int:
