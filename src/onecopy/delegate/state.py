@@ -37,7 +37,7 @@ def call_in_context(function: EngineFunction, context: Any, inputs: Sequence[np.
     results = rt.VmVariantList(max(len(outputs), 1))
     try:
         context.invoke(function.vm_function, args, results)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
         raise function.engine_error(e) from e
     view_type, copy_out = rt.HalBufferView, function.copy_out
     return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
@@ -70,7 +70,7 @@ def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], ou
         results = variant_list(result_count)
         try:
             context.invoke(vm_function, args, results)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
             raise engine_error(e) from e
         return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
 
@@ -107,7 +107,7 @@ class EngineState:
             raise ExecutionError(f"{self.where}: this state was closed with its program; load the program again.")
         try:
             context.invoke(function.vm_function, args, out)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
             raise function.engine_error(e) from e
         return function, out
 

@@ -1,7 +1,8 @@
 """The program file format: preamble, typed schema, named data store. Imports neither torch nor IREE."""
 
 from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
-from onecopy.program.file import FORMAT_VERSION, MAGIC, LoadedProgramFile, ProgramFile, check_program, read_program
+from onecopy.program.file import (FORMAT_VERSION, MAGIC, LoadedProgramFile, ProgramFile, check_program, read_program,
+                                  write_atomically)
 from onecopy.program.schema import (
     ConstArg,
     ConstantDef,
@@ -27,6 +28,7 @@ __all__ = [
     "ProgramFile",
     "LoadedProgramFile",
     "read_program",
+    "write_atomically",
     "check_program",
     "Problem",
     "ConstArg",

@@ -13,6 +13,7 @@ import mmap
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Union
@@ -81,23 +82,29 @@ class ProgramFile:
 
     def save(self, path: Union[str, os.PathLike[str]]) -> Path:
         """Write the program to `path` atomically and return the path."""
-        target = Path(path)
-        if target.is_dir():
-            raise InvalidArgument(f"Cannot save the program to '{target}': it is a directory; give a file name.")
-        directory = target.parent if str(target.parent) else Path(".")
-        if not directory.is_dir():
-            raise InvalidArgument(f"Cannot save the program to '{target}': directory '{directory}' does not exist.")
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                self.write_to(out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        return write_atomically(path, self.write_to, "the program")
+
+
+def write_atomically(path: Union[str, os.PathLike[str]], write: Callable[[BinaryIO], object], what: str) -> Path:
+    """Write `path` through `write(file)` into a temporary file beside it, fsync, rename: readers see the old file
+    or the whole new one, never a half-written one, whatever happens midway. `what` names it in errors."""
+    target = Path(path)
+    if target.is_dir():
+        raise InvalidArgument(f"Cannot save {what} to '{target}': it is a directory; give a file name.")
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise InvalidArgument(f"Cannot save {what} to '{target}': directory '{directory}' does not exist.")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
 
 
 @dataclass

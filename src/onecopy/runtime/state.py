@@ -19,7 +19,6 @@ first call that needs it, so a State that only has values written or loaded keep
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onecopy.errors import ExecutionError, InvalidArgument
-from onecopy.program import DelegateCall, StateDef
+from onecopy.program import DelegateCall, StateDef, write_atomically
 from onecopy.runtime._layout import same_shapes
 from onecopy.runtime.copy_stats import CopyStats
 
@@ -145,25 +144,13 @@ class State:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write every state to `path` (numpy .npz) atomically: never a half-written file."""
-        target = Path(path)
         with self._lock:
             self._check()
             values = self._values()
-        directory = target.parent if str(target.parent) else Path(".")
-        if not directory.is_dir():
-            raise InvalidArgument(f"Cannot save the state to '{target}': directory '{directory}' does not exist.")
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                np.savez(out, **{f"s{i}": v for i, v in enumerate(values.values())},
-                         __names__=np.array(list(values), dtype=np.str_))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return target
+        names = np.array(list(values), dtype=np.str_)
+        return write_atomically(
+            path, lambda out: np.savez(out, **{f"s{i}": v for i, v in enumerate(values.values())}, __names__=names),
+            "the state")
 
     def _load(self, path: str | os.PathLike[str]) -> None:
         where = str(path)
