@@ -15,6 +15,7 @@ from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabl
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
+from onecopy.delegate.invocation import Invocation, call
 from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
@@ -76,7 +77,7 @@ class IreeDelegate(DelegateHandle):
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
         try:
-            return function(inputs, outputs, stats)
+            return call(function, inputs, outputs, stats)
         except (ValueError, IndexError) as e:
             # IREE raises these (not RuntimeError) for a call its function refuses (argument count, rank or
             # size) or results it has not: what a header that disagrees with the code it describes leads to.
@@ -91,7 +92,7 @@ class IreeDelegate(DelegateHandle):
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
-        return function.prepare(inputs, outputs)
+        return Invocation(function, inputs, outputs)  # planned once, run many times (one plan per thread)
 
     def copied_call(
         self, inputs: Sequence[np.ndarray], outputs: int

@@ -19,7 +19,6 @@ import numpy as np
 
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
-from onecopy.delegate.invocation import Invocation, call_copied
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 
 ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
@@ -298,9 +297,9 @@ class EngineFunction:
 
     `outputs_in_place`: the function is destination-passing (outputs as trailing arguments, written in place).
     A bound surface given as output storage is then handed over as is, so the engine writes the surface itself;
-    other storage gets an engine buffer that is copied out after the call. A call with nothing bound to plan is
-    `call_copied`; any other is an `Invocation` (onecopy.delegate.invocation): planned, then run; `prepare` keeps
-    the plan for many runs.
+    other storage gets an engine buffer that is copied out after the call. The calls themselves live a layer up,
+    in onecopy.delegate.invocation (`call`: `call_copied` when nothing is bound, else an `Invocation` planned and
+    run); this class holds what they need: the function, its model, its bindings, and the copies in and out.
     """
 
     def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False):
@@ -318,13 +317,6 @@ class EngineFunction:
 
     def bind(self, binding: SurfaceBinding) -> None:
         self.bindings = {**self.bindings, binding.base_address: binding}
-
-    def __call__(
-        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats | None = None
-    ) -> list[np.ndarray]:
-        if not self.bindings and not self.outputs_in_place:
-            return call_copied(self, inputs, outputs, stats if stats is not None else CopyStats())
-        return Invocation(self, inputs, outputs).run(stats)
 
     def copied_call(
         self, inputs: Sequence[np.ndarray], outputs: int
@@ -363,10 +355,6 @@ class EngineFunction:
             return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
 
         return call
-
-    def prepare(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]) -> Invocation:
-        """Plan a call on these very arrays once, to run it many times (one plan per thread)."""
-        return Invocation(self, inputs, outputs)
 
     def copy_in(self, array: np.ndarray) -> Any:
         element_type = self._element_type(array.dtype)

@@ -5,7 +5,7 @@ buffer view imported from its memory, in place; any other input is copied into a
 content may change between runs); an output is either a bound surface the engine writes in place or storage
 filled from an engine buffer after the call (through its strides: padded surface rows stay padded).
 
-`EngineFunction.__call__` plans and runs one invocation per call. `Method.prepare` keeps one and reruns it, as
+`call` plans and runs one invocation per call (or none: `call_copied`, when nothing is bound). `Method.prepare` keeps one and reruns it, as
 ONNX Runtime's IOBinding does: what is left per run is the surface locks and the engine call, so a frame loop
 pays no Python per argument. That matters more than its microseconds suggest: a run that streams a 1080p frame
 through the caches leaves the interpreter's own code and data cold, and every Python step after it costs 3-4x
@@ -32,17 +32,27 @@ from onecopy.runtime.backend import RunReport
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.surface.lock import give_all, take_all, wake_waiting
 
+from onecopy.delegate.engine import EngineFunction
+
 if TYPE_CHECKING:
     from onecopy.delegate.binding import SurfaceBinding
-    from onecopy.delegate.engine import EngineFunction
 
-__all__ = ["Invocation", "call_copied"]
+__all__ = ["Invocation", "call", "call_copied"]
 
 log = logging.getLogger("onecopy")
 
 
 def data_pointer(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
+
+
+def call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
+         stats: CopyStats | None = None) -> list[np.ndarray]:
+    """One call of `function`: copied in and out when nothing is bound and the outputs are returned (the common
+    call), else planned (bound surfaces in place, outputs written into their storage) and run once."""
+    if not function.bindings and not function.outputs_in_place:
+        return call_copied(function, inputs, outputs, stats if stats is not None else CopyStats())
+    return Invocation(function, inputs, outputs).run(stats)
 
 
 def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],

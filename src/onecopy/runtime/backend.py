@@ -17,20 +17,16 @@ import abc
 import importlib
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime.copy_stats import CopyStats
-
-if TYPE_CHECKING:
-    from onecopy.runtime.init_context import InitContext
+from onecopy.runtime.init_context import InitContext, OptionValue
 
 __all__ = ["Backend", "DelegateHandle", "OptionValue", "RunReport", "get_backend", "register_backend",
            "backend_names"]
-
-OptionValue = bool | int | str
 
 
 class RunReport(NamedTuple):
@@ -135,7 +131,7 @@ class Backend(abc.ABC):
     options: ClassVar[Mapping[str, type]]
 
     @abc.abstractmethod
-    def init(self, context: "InitContext", manifest: Mapping[str, Any]) -> DelegateHandle:
+    def init(self, context: InitContext, manifest: Mapping[str, Any]) -> DelegateHandle:
         """Validate `manifest` and load what it points at. Raise `DelegateError`/`InvalidArgument` on bad input."""
 
     def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:

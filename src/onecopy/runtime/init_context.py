@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from onecopy.program import NamedData
-from onecopy.runtime.backend import OptionValue
 
 if TYPE_CHECKING:
     from onecopy.runtime.method_meta import MethodMeta
 
-__all__ = ["InitContext"]
+__all__ = ["InitContext", "OptionValue"]
+
+# The value of a typed backend option (backend_options.py checks each against its backend's declared type).
+OptionValue = bool | int | str
 
 
 @dataclass(frozen=True)
