@@ -542,7 +542,8 @@ def _measure_llm(out: Path, cache_dir: Path, config: DemoConfig, steps: _Steps) 
 
     steps.start(f"LLM: exporting a tiny random-weight Llama as prefill + decode (cache {LLM_CACHE_TOKENS} tokens)")
     model = _tiny_llama()
-    path = export_llm(model, max_cache_len=LLM_CACHE_TOKENS, prefill_tokens=LLM_PREFILL_TOKENS).save(out / "llm.onecopy")
+    program = export_llm(model, max_cache_len=LLM_CACHE_TOKENS, prefill_tokens=LLM_PREFILL_TOKENS)
+    path = program.save(out / "llm.onecopy")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     steps.done()
 
