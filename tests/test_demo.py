@@ -1,6 +1,7 @@
 """`onecopy demo`: the figures it prints (--json), the table and picture made from them, and what it leaves behind.
 
-One reduced run (--quick: K = 1, 2 and fewer rounds, the same measuring code) serves the tests of this module.
+One reduced run (--quick: K = 1, 2, fewer rounds and decode tokens, the same measuring code) serves the tests of
+this module.
 """
 
 from __future__ import annotations
@@ -61,6 +62,57 @@ def test_json_has_the_figures_of_every_engine(quick_run):
     assert set(f["frames"]["ms_per_frame"]) == {"onecopy_bound", "onecopy_numpy", "onnxruntime_iobinding"}
     assert f["frames"]["bytes_copied_per_frame"]["onecopy_bound"] == 0
     assert set(f["max_abs_diff_vs_torch"]) == {"onecopy", "onnxruntime"}
+    llm = f["llm"]
+    assert {"decode_tokens_per_s", "decode_ms_per_token", "onecopy_over", "greedy_tokens_equal", "tokens",
+            "copy_per_decode_step", "states_memory", "weight_bytes"} <= set(llm), llm
+    assert set(llm["decode_tokens_per_s"]) == {"onecopy", "torch"}
+    assert all(v > 0 for v in llm["decode_tokens_per_s"].values())
+    assert llm["greedy_tokens_equal"] and llm["tokens"]["onecopy"] == llm["tokens"]["torch"]
+    assert len(llm["tokens"]["onecopy"]) == llm["decode_tokens"] + 1
+    assert set(llm["states_memory"]["growth_bytes"]) == {"1", "4"}
+
+
+def test_llm_rows_tell_the_state_story(quick_run):
+    """Measured, not asserted text: a decode step copies none of the cache, and 3 more States cost their caches
+    (and the engine's context for each), not the weights again."""
+    llm = quick_run["figures"]["llm"]
+    copy = llm["copy_per_decode_step"]
+    assert copy["cache_bytes"] == 2 * 2 * 2 * 256 * 16 * 4  # K and V of 2 layers, [1, 2 KV heads, 256, 16] fp32
+    assert copy["state_bytes_copied"] == 0
+    assert copy["copied_in"] + copy["copied_out"] == copy["token_position_logits_bytes"] == 8 + 8 + 128 * 4
+    memory = llm["states_memory"]
+    extra, cache, weights = memory["three_more_states_bytes"], memory["cache_bytes_per_state"], llm["weight_bytes"]
+    assert extra["pss"] >= 0.9 * 3 * cache
+    assert extra["pss"] < 3 * (cache + weights)
+    assert extra["pss_file"] < weights / 2
+
+
+def test_without_transformers_the_llm_rows_are_skipped_and_a_failure_leaves_the_rest(monkeypatch):
+    from rich.console import Console
+
+    from onecopy import demo
+
+    class Steps:
+        def start(self, description):
+            pass
+
+        def done(self, n=1):
+            pass
+
+    out = io.StringIO()
+    console = Console(file=out, width=140)
+    monkeypatch.setattr(demo, "_llm_missing", lambda: "not installed: transformers")
+    assert demo._measure_llm_rows(Path("."), Path("."), demo.QUICK, Steps(), console) == {
+        "skipped": "not installed: transformers", "hint": "pip install 'onecopy[llm]'"}
+    monkeypatch.setattr(demo, "_llm_missing", lambda: None)
+
+    def fail(*args):
+        raise RuntimeError("the engine said no\nin two lines")
+
+    monkeypatch.setattr(demo, "_measure_llm", fail)
+    assert demo._measure_llm_rows(Path("."), Path("."), demo.QUICK, Steps(), console) == {
+        "error": "RuntimeError: in two lines"}
+    assert "the LLM rows failed: RuntimeError: in two lines" in out.getvalue()
 
 
 def test_figures_tell_the_memory_story(quick_run):
@@ -98,6 +150,9 @@ def test_table_shows_every_peer_row(quick_run):
                 "memory, 2 loads, RSS", "latency, forward B=1", "latency, prefill B=16", "frame, bound surfaces"):
         assert row in text
     assert "than torch" in text and "0 B copied" in text
+    for row in ("LLM decode, tokens/s", "LLM decode step, copies", "LLM memory, 4 States vs 1"):
+        assert row in text
+    assert "same tokens" in text and "0 B of the 128 KiB cache" in text and "KiB cache + 3 x" in text
 
 
 def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
@@ -117,6 +172,23 @@ def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
     print_table(figures, Console(file=out, width=140))
     assert "ONNX Runtime is not installed: onnxruntime" in out.getvalue()
     assert "'.[demo]'" in out.getvalue() and "latency, forward B=1" in out.getvalue()
+    assert "LLM decode, tokens/s" in out.getvalue()
+
+
+def test_without_transformers_the_table_says_how_to_get_the_llm_rows(quick_run):
+    from rich.console import Console
+
+    from onecopy.demo_report import print_table
+
+    for llm, said in (({"skipped": "not installed: transformers", "hint": "pip install 'onecopy[llm]'"},
+                       "LLM rows skipped, not installed: transformers. For these rows: pip install 'onecopy[llm]'"),
+                      ({"error": "RuntimeError: boom"}, "LLM rows failed: RuntimeError: boom")):
+        figures = copy.deepcopy(quick_run["figures"])
+        figures["llm"] = llm
+        out = io.StringIO()
+        print_table(figures, Console(file=out, width=140))
+        assert said in out.getvalue() and "LLM decode" not in out.getvalue()
+        assert "frame, bound surfaces" in out.getvalue()
 
 
 def _children(pid: int) -> list[int]:

@@ -9,6 +9,11 @@ On the built-in model (8 x Linear(1024, 1024) + ReLU, methods forward [1, 1024] 
 4. latency per call at B=1 and B=16: onecopy, ONNX Runtime, torch eager, in interleaved rounds;
 5. a chained two-model fp16 frame pipeline: onecopy on bound surfaces vs numpy I/O vs ONNX Runtime's IOBinding.
 
+And, with transformers installed (`pip install 'onecopy[llm]'`; without it these rows are skipped), a tiny
+random-weight Llama exported by `onecopy.llm.export_llm` as prefill + decode, its KV cache kept in the engine as a
+State: greedy decode tokens/s beside torch eager with transformers' static cache (same tokens, checked), the bytes a
+decode step copies (`last_copy_stats`: none of the cache), and the PSS growth of 4 States over 1 in a fresh process.
+
 Every figure is measured in this run; nothing is quoted from elsewhere. Without ONNX Runtime the demo says so and
 measures onecopy (and torch eager) alone. Everything it makes lives in one temporary directory, removed at the
 end, on an error and on Ctrl-C; its child processes are killed with it.
@@ -47,10 +52,13 @@ class DemoConfig:
     latency_rounds: int = 12
     latency_block_s: float = 0.05  # timed calls of one peer in a round
     frame_rounds: int = 12
+    llm_tokens: int = 32  # greedy decode steps per timed call
+    llm_rounds: int = 6
 
 
 FULL = DemoConfig()
-QUICK = DemoConfig(ks=(1, 2), warm_loads=1, latency_rounds=3, latency_block_s=0.015, frame_rounds=3)  # every measurement, fewer times
+QUICK = DemoConfig(ks=(1, 2), warm_loads=1, latency_rounds=3, latency_block_s=0.015, frame_rounds=3,
+                   llm_tokens=8, llm_rounds=2)  # every measurement, fewer times
 
 
 # -- fresh processes --------------------------------------------------------------------------------------------
@@ -468,6 +476,178 @@ def _measure_frames(paths: dict[str, Path], cache_dir: Path, config: DemoConfig,
     }
 
 
+# -- the LLM rows: a tiny Llama's prefill + decode, the KV cache kept in the engine as State ------------------------
+
+LLM_HINT = "pip install 'onecopy[llm]'"
+LLM_CACHE_TOKENS = 256
+LLM_PREFILL_TOKENS = 16
+
+
+def _tiny_llama():
+    """tests/test_llm.py's tiny_llama: random weights, seed 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def _llm_missing() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("transformers") is not None else "not installed: transformers"
+
+
+def _decode_one(decode, state, token: int, position: int):
+    import numpy as np
+
+    (logits,) = decode.execute([np.array([[token]], np.int64), np.array([position])], state=state)
+    return logits
+
+
+def _child_memory_llm(program: str, cache_dir: str) -> dict:
+    """PSS/RSS growth (bytes) of 1 and then 4 States of one loaded program, one decode on each, over a process
+    that already holds the program and a warmed-up State (kept: its freed pages would serve the next one)."""
+    from onecopy import Runtime
+    from onecopy.measure import memory
+
+    with Runtime(cache_dir=cache_dir).load_program(program) as prog:
+        decode = prog.load_method("decode")
+        warm = prog.create_state()
+        _decode_one(decode, warm, 1, 0)
+        gc.collect()
+        before = memory()
+        states = []
+        found = {}
+        for n in (1, 4):
+            while len(states) < n:
+                state = prog.create_state()
+                _decode_one(decode, state, 1, 0)
+                states.append(state)
+            after = memory()
+            found[str(n)] = {key: after[key] - before[key] for key in after}
+        del states, warm
+    return found
+
+
+def _measure_llm(out: Path, cache_dir: Path, config: DemoConfig, steps: _Steps) -> dict:
+    import numpy as np
+    import torch
+
+    from onecopy import Runtime
+    from onecopy.llm import export_llm
+    from onecopy.measure import interleaved, paired_ratio
+
+    steps.start(f"LLM: exporting a tiny random-weight Llama as prefill + decode (cache {LLM_CACHE_TOKENS} tokens)")
+    model = _tiny_llama()
+    program = export_llm(model, max_cache_len=LLM_CACHE_TOKENS, prefill_tokens=LLM_PREFILL_TOKENS)
+    path = program.save(out / "llm.onecopy")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps.done()
+
+    # Before this process loads the program: its mapping would take a share of the child's PSS.
+    steps.start("LLM memory: 1 and 4 States of one program (fresh process; its first load compiles the program)")
+    states_memory = _child("memory-llm", str(path), str(cache_dir))
+    steps.done()
+
+    steps.start("LLM decode: onecopy (State in the engine) vs torch eager (static cache), interleaved rounds")
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, LLM_PREFILL_TOKENS, dtype=np.int64)
+    n = config.llm_tokens
+    with Runtime(cache_dir=cache_dir).load_program(path) as prog:
+        prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+        state = prog.create_state()
+        state_bytes = {name: int(state.read(name).nbytes) for name in state.names()}
+        (logits,) = prefill.execute([prompt.reshape(1, -1), np.arange(LLM_PREFILL_TOKENS)], state=state)
+        first_onecopy = int(np.argmax(logits[0, -1]))
+
+        def onecopy_decode() -> list[int]:
+            # n greedy steps after the prompt; each call writes the same cache slots again (the cache position,
+            # not a counter, says where), so every call decodes the same tokens
+            tokens, token = [], first_onecopy
+            for i in range(n):
+                logits = _decode_one(decode, state, token, LLM_PREFILL_TOKENS + i)
+                token = int(np.argmax(logits[0, -1]))
+                tokens.append(token)
+            return tokens
+
+        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+        generation = model.generation_config
+        previous, generation.cache_implementation = generation.cache_implementation, "static"
+        try:
+            eager = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=LLM_CACHE_TOKENS)
+        finally:
+            generation.cache_implementation = previous
+        with torch.no_grad():
+            eager_logits = eager(input_ids=torch.from_numpy(prompt).reshape(1, -1),
+                                 cache_position=torch.arange(LLM_PREFILL_TOKENS))
+        first_torch = int(eager_logits[0, -1].argmax())
+
+        def torch_decode() -> list[int]:
+            tokens, token = [], first_torch
+            with torch.no_grad():
+                for i in range(n):
+                    logits = eager(input_ids=torch.tensor([[token]]),
+                                   cache_position=torch.tensor([LLM_PREFILL_TOKENS + i]))
+                    token = int(logits[0, -1].argmax())
+                    tokens.append(token)
+            return tokens
+
+        ours, theirs = [first_onecopy, *onecopy_decode()], [first_torch, *torch_decode()]
+        timings = interleaved({"onecopy": onecopy_decode, "torch": torch_decode}, rounds=config.llm_rounds, inner=1,
+                              warmup=1)
+        # One decode step's copies, measured: what crossed between Python and the engine.
+        ids, position = np.array([[ours[-1]]], np.int64), np.array([LLM_PREFILL_TOKENS + n])
+        (logits,) = decode.execute([ids, position], state=state)
+        stats = decode.last_copy_stats
+        io_bytes = ids.nbytes + position.nbytes + logits.nbytes
+        state.close()
+    cache_bytes = sum(b for name, b in state_bytes.items() if "cache" in name)
+    extra = {key: states_memory["4"][key] - states_memory["1"][key] for key in states_memory["4"]}
+    return {
+        "model": "Llama, random weights (seed 0): 2 layers, hidden 64, 4 heads (2 KV), vocab 128, fp32",
+        "max_cache_len": LLM_CACHE_TOKENS, "prefill_tokens": LLM_PREFILL_TOKENS, "decode_tokens": n,
+        "weight_bytes": weight_bytes,
+        "decode_tokens_per_s": {peer: n / (t.median_ms / 1e3) for peer, t in timings.items()},
+        "decode_ms_per_token": {peer: t.median_ms / n for peer, t in timings.items()},
+        "onecopy_over": {"torch": paired_ratio(timings["onecopy"], timings["torch"])},
+        "greedy_tokens_equal": ours == theirs,
+        "tokens": {"onecopy": ours, "torch": theirs},
+        "copy_per_decode_step": {
+            "state_bytes": sum(state_bytes.values()), "cache_bytes": cache_bytes,
+            "copied_in": stats.copied_in, "copied_out": stats.copied_out,
+            "token_position_logits_bytes": io_bytes,
+            # what was copied beyond the step's own token, position and logits: the cache, if it crossed
+            "state_bytes_copied": max(0, stats.copied - io_bytes),
+        },
+        "states_memory": {
+            "state_bytes_per_state": sum(state_bytes.values()), "cache_bytes_per_state": cache_bytes,
+            "growth_bytes": states_memory, "three_more_states_bytes": extra,
+            "three_more_over_cache": extra["pss"] / (3 * cache_bytes),
+            # what each extra State costs beyond its cache (the engine's context for it), from the PSS growth
+            "beyond_cache_per_state_bytes": (extra["pss"] - 3 * cache_bytes) / 3,
+        },
+    }
+
+
+def _measure_llm_rows(out: Path, cache_dir: Path, config: DemoConfig, steps: _Steps, console) -> dict:
+    """The LLM rows, or why there are none: without transformers they are skipped, and a failure here says so in
+    one line and leaves the rest of the demo's figures standing."""
+    missing = _llm_missing()
+    if missing is not None:
+        steps.done(3)
+        return {"skipped": missing, "hint": LLM_HINT}
+    try:
+        return _measure_llm(out, cache_dir, config, steps)
+    except Exception as e:  # noqa: BLE001  (any failure of this section: reported, the rest of the demo stands)
+        message = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+        console.print(f"the LLM rows failed: {message}", markup=False, highlight=False)
+        steps.done(3)
+        return {"error": message}
+
+
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -509,7 +689,7 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         cache_dir = tmp / "cache"  # the demo's own cache: cold means cold, and the user's cache is left alone
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
         progress = stack.enter_context(Progress(*columns, console=console, transient=True))
-        steps = _Steps(progress, 7 + len(config.ks) * (3 if ort_ok else 2) + len(METHOD_BATCH))
+        steps = _Steps(progress, 10 + len(config.ks) * (3 if ort_ok else 2) + len(METHOD_BATCH))
 
         steps.start("exporting the built-in model and two frame models")
         model = builtin_model()
@@ -554,6 +734,7 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         steps.start("frames: a two-model fp16 pipeline, bound surfaces vs numpy I/O vs ONNX Runtime IOBinding")
         figures["frames"] = _measure_frames(paths, cache_dir, config, ort_ok)
         steps.done()
+        figures["llm"] = _measure_llm_rows(out, cache_dir, config, steps, console)
         steps.start("done")
         figures["seconds_by_step"] = steps.seconds
         if workdir:
@@ -597,6 +778,8 @@ def _child_main(argv: list[str]) -> None:
         found = _child_load_ort(args[0])
     elif kind == "memory-onecopy":
         found = _child_memory_onecopy(args[0], args[1], args[2] == "on", int(args[3]))
+    elif kind == "memory-llm":
+        found = _child_memory_llm(args[0], args[1])
     elif kind == "memory-ort":
         found = _child_memory_ort(args[0], args[1], int(args[2]))
     else:

@@ -76,6 +76,20 @@ def _rows(f: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                  _verdict(over[iob], "faster", "slower") if iob in over else ""))
     rows.append(("frame, numpy I/O ⁴", f"{_ms(ms['onecopy_numpy'])}, {copied['onecopy_numpy'] / MIB:.1f} MiB copied",
                  "", "", f"bound: {_verdict(over['onecopy_numpy'], 'faster', 'slower')}"))
+    llm = f.get("llm", {})
+    if "decode_tokens_per_s" in llm:
+        tps, copy, mem = llm["decode_tokens_per_s"], llm["copy_per_decode_step"], llm["states_memory"]
+        same = "same tokens" if llm["greedy_tokens_equal"] else "TOKENS DIFFER"
+        rows.append(("LLM decode, tokens/s ⁵", f"{tps['onecopy']:.0f} tok/s", "", f"{tps['torch']:.0f} tok/s",
+                     f"{_verdict(llm['onecopy_over']['torch'], 'faster', 'slower')} than torch; {same}"))
+        rows.append(("LLM decode step, copies ⁵",
+                     f"{copy['state_bytes_copied']} B of the {copy['cache_bytes'] / 1024:.0f} KiB cache", "", "",
+                     f"{copy['copied_in'] + copy['copied_out']} B copied: token, position, logits"))
+        extra = mem["three_more_states_bytes"]["pss"]
+        rows.append(("LLM memory, 4 States vs 1 ⁵", f"+{extra / 1024:.0f} KiB PSS", "", "",
+                     f"3 x {mem['cache_bytes_per_state'] / 1024:.0f} KiB cache + 3 x "
+                     f"{mem['beyond_cache_per_state_bytes'] / 1024:.0f} KiB context; weights "
+                     f"({llm['weight_bytes'] / 1024:.0f} KiB) not copied"))
     diffs = f["max_abs_diff_vs_torch"]
     rows.append(("max |diff| vs torch", f"{diffs['onecopy']:.1e}",
                  f"{diffs['onnxruntime']:.1e}" if "onnxruntime" in diffs else "", "-", ""))
@@ -113,11 +127,23 @@ def print_table(f: dict[str, Any], console) -> None:
         f"⁴ two chained fp16 models, {'x'.join(map(str, f['frames']['frame']))} frames; ONNX Runtime with IOBinding "
         "to preallocated arrays.",
     ]
+    llm = f.get("llm", {})
+    if "decode_tokens_per_s" in llm:
+        notes.append(
+            f"⁵ {llm['model']}; onecopy.llm.export_llm, cache {llm['max_cache_len']} tokens, prefill "
+            f"{llm['prefill_tokens']}; {llm['decode_tokens']} greedy decode steps per timed run, torch eager with "
+            "transformers' static cache. Copies from decode.last_copy_stats; memory: PSS growth of a fresh process "
+            "holding the loaded program, from 1 to 4 States (one decode each).")
     if not ort:
         from onecopy.demo import INSTALL_HINT
 
         console.print(f"ONNX Runtime is {f['onnxruntime']}: onecopy's rows only. For the peer rows: {INSTALL_HINT}.",
                       style="bold", markup=False, highlight=False)
+    if "skipped" in llm:
+        console.print(f"LLM rows skipped, {llm['skipped']}. For these rows: {llm['hint']}.", style="bold",
+                      markup=False, highlight=False)
+    elif "error" in llm:
+        console.print(f"LLM rows failed: {llm['error']}", style="bold", markup=False, highlight=False)
     for note in notes:
         console.print(note, style="dim", markup=False, highlight=False)
     console.print(f"{machine['cpu_model']}, {machine['usable_cpus']} of {machine['cores']} CPUs; "
