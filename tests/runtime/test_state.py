@@ -191,9 +191,12 @@ def test_calls_on_one_state_are_serialized_and_states_run_in_parallel(prog, rng)
 
 def test_a_shared_model_shares_weights_never_state(stateful_program, rng):
     path, _, multifunction = stateful_program
-    if not multifunction:
-        pytest.skip("share_multifunction_model needs a multifunction program")
     options = {"IreeBackend": {"share_multifunction_model": True}}
+    if not multifunction:  # the option is refused with the reason; there is no shared model to check
+        with pytest.raises(InvalidArgument, match=r"share_multifunction_model=True needs a program exported with "
+                                                  r"Partitioner\(multifunction=True\)"):
+            Runtime().load_program(path, backend_options=options).load_method("decode")
+        return
     with Runtime().load_program(path, backend_options=options) as p1, \
             Runtime().load_program(path, backend_options=options) as p2:
         d1, d2 = p1.load_method("decode"), p2.load_method("decode")
