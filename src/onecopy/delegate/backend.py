@@ -15,7 +15,7 @@ from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabl
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
-from onecopy.delegate.invocation import Invocation, call
+from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
@@ -148,15 +148,13 @@ class IreeDelegate(DelegateHandle):
 
     def execute_with_state(self, state: Any, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
                            stats: CopyStats) -> list[np.ndarray]:
-        from onecopy.delegate.state import call_in_context
-
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
         context = state.context
         if context is None:
             raise DelegateError(f"{self.where}: the state was closed; create a new one with program.create_state().")
-        return call_in_context(function, context, inputs, outputs, stats)
+        return call_copied(function, inputs, outputs, stats, context)
 
     @property
     def bound_surfaces(self) -> dict[str, Any]:

@@ -56,10 +56,11 @@ def call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequen
 
 
 def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None],
-                stats: CopyStats) -> list[np.ndarray]:
+                stats: CopyStats, context: Any = None) -> list[np.ndarray]:
     """The common call, with nothing to plan: no surface bound, results returned by the engine. The inputs are
-    copied into engine buffers and the results copied out (into `outputs[i]` where given). Written out flat, with
-    no plan object: what runs after the engine runs with the interpreter's caches cold."""
+    copied into engine buffers and the results copied out (into `outputs[i]` where given). It runs in `context`
+    (a State's: its globals are the state) or, when None, in one checked out of the model's pool for this call.
+    Written out flat, with no plan object: what runs after the engine runs with the interpreter's caches cold."""
     rt = function.rt
     args = rt.VmVariantList(len(inputs))
     copy_in = function.copy_in
@@ -70,13 +71,16 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
     stats.copied_in += copied
     results = rt.VmVariantList(max(len(outputs), 1))
     model = function.model
-    context = model.checkout()
+    pooled = context is None
+    if pooled:
+        context = model.checkout()
     try:
         context.invoke(function.vm_function, args, results)
     except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
         raise function.engine_error(e) from e
     finally:
-        model.checkin(context)
+        if pooled:
+            model.checkin(context)
     view_type, copy_out = rt.HalBufferView, function.copy_out
     return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
 

@@ -22,30 +22,12 @@ from onecopy.runtime.copy_stats import CopyStats
 if TYPE_CHECKING:
     from onecopy.delegate.engine import EngineFunction, LoadedModel
 
-__all__ = ["EngineState", "call_in_context", "state_copied_call"]
-
-
-def call_in_context(function: EngineFunction, context: Any, inputs: Sequence[np.ndarray],
-                    outputs: Sequence[np.ndarray | None], stats: CopyStats) -> list[np.ndarray]:
-    """`call_copied` in a given context (a state's) instead of one checked out of the pool."""
-    rt = function.rt
-    args = rt.VmVariantList(len(inputs))
-    copy_in = function.copy_in
-    for array in inputs:
-        args.push_ref(copy_in(array))
-        stats.copied_in += array.nbytes
-    results = rt.VmVariantList(max(len(outputs), 1))
-    try:
-        context.invoke(function.vm_function, args, results)
-    except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
-        raise function.engine_error(e) from e
-    view_type, copy_out = rt.HalBufferView, function.copy_out
-    return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
+__all__ = ["EngineState", "state_copied_call"]
 
 
 def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: int):
-    """`call_in_context` specialized for inputs shaped as `inputs` (as `EngineFunction.copied_call` is for the
-    pool): element types, byte counts and bound methods looked up once. Returns `call(state, arrays, stats)`."""
+    """`invocation.call_copied` in a State's context, specialized for inputs shaped as `inputs` (as
+    `EngineFunction.copied_call` is for the pool's contexts): element types, byte counts and bound methods looked up once. Returns `call(state, arrays, stats)`."""
     rt, model = function.rt, function.model
     device = model.device
     allocate = device.allocator.allocate_buffer_copy
