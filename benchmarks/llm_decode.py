@@ -1,8 +1,18 @@
-"""Decode latency per token of a tiny random Llama: onecopy (KV cache kept in the engine) vs torch eager with
-transformers' StaticCache, side by side in interleaved rounds, at two cache sizes (a step must not cost more
-with a larger cache: the update runs in place).
+"""Decode latency per token of a tiny random Llama (2 layers, d=64, seed 0), side by side in interleaved rounds,
+at two cache sizes:
 
-    python benchmarks/llm_decode.py [--rounds 30] [--calls 20]
+- onecopy: `decode` of an `export_llm` program, the KV cache a State kept in the engine;
+- raw IREE: the same engine function called through iree.runtime, no onecopy in between;
+- torch eager with transformers' StaticCache, default threads and 1 thread;
+- ONNX Runtime with the KV cache as inputs and outputs (`common.OnnxRuntimeDecoder`: a static cache of the same
+  max_cache_len, past k/v in, present k/v out, fed back each step), timed with IOBinding (preallocated buffers,
+  two k/v sets in turn) and with plain `InferenceSession.run`.
+
+Every peer's logits are checked against torch eager for a few steps before timing. The issue's targets: decode
+<= 0.75x ONNX Runtime per token, <= 0.5x torch eager. Then a step's cost with an 8 vs 128 MiB cache (a step must
+not cost more with a larger cache: the update runs in place).
+
+    python benchmarks/llm_decode.py [--rounds 30] [--calls 20] [--sizes 64,2048]
 """
 
 from __future__ import annotations
@@ -10,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -19,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import common
 
 
 def tiny_llama():
@@ -71,17 +82,45 @@ def update_scaling(sizes=(2048, 32768)) -> list[dict]:
     return rows
 
 
+def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
+    return round(statistics.median(x / y for x, y in zip(times[a], times[b])), 3)
+
+
+def _interval(times: dict[str, list[float]], a: str, b: str, resamples: int = 2000) -> list[float]:
+    """95% bootstrap interval of the paired ratio (rounds resampled, seeded)."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    rng = random.Random(1)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return [round(meds[int(0.025 * resamples)], 3), round(meds[int(0.975 * resamples) - 1], 3)]
+
+
+def _target(name: str, times: dict[str, list[float]], peer: str, threshold: float) -> dict:
+    value, (low, high) = _paired(times, "onecopy", peer), _interval(times, "onecopy", peer)
+    verdict = "met" if value <= threshold else "not met"
+    if low <= threshold <= high:
+        verdict += " (unresolved)"
+    return {"name": name, "peer": peer, "value": value, "interval_95": [low, high], "threshold": threshold,
+            "verdict": verdict}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--sizes", default="64,2048")
+    parser.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                        help="first wait (up to SECONDS) for other processes to leave the CPUs idle")
     args = parser.parse_args()
+    if args.wait_quiet:
+        common.wait_quiet(args.wait_quiet)
+    cpu_start = common.cpu_snapshot()
+    from transformers import StaticCache
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     from onecopy import Runtime
     from onecopy.llm import export_llm
 
+    machine = common.machine_info()
     model = tiny_llama()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +132,31 @@ def main() -> None:
             state = prog.create_state()
             model.generation_config.cache_implementation = "static"
             eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=size)
+            ort = common.OnnxRuntimeDecoder(model, size, Path(tmp) / f"llm{size}.onnx")
+
+            # Every peer computes the same decode: a few steps from an empty cache against torch eager with a
+            # fresh StaticCache of the same length, before anything is timed.
+            reference_cache = StaticCache(config=model.config, max_cache_len=size)
+            check_state = prog.create_state()
+            diffs = {"onecopy": 0.0, "onnxruntime IOBinding": 0.0, "onnxruntime run": 0.0}
+            for p, token in enumerate([7, 3, 99, 12, 5, 42]):
+                with torch.no_grad():
+                    want = model(input_ids=torch.tensor([[token]]), cache_position=torch.tensor([p]),
+                                 past_key_values=reference_cache, use_cache=True).logits.numpy()
+                ids_p = np.array([[token]], np.int64)
+                got = {"onecopy": decode.execute([ids_p, np.array([p])], state=check_state)[0],
+                       "onnxruntime IOBinding": ort.step_iobinding(ids_p, p),
+                       "onnxruntime run": ort.step_run(ids_p, p)}
+                for name, value in got.items():
+                    diffs[name] = max(diffs[name], common.max_abs_diff(value, want))
+            ort.reset()
+            print(f"onnxruntime peer: static KV cache of {size} tokens as inputs/outputs, exporter {ort.exporter}, "
+                  f"intra-op threads {ort.intra_op_threads or 'default'}; timed with IOBinding and with run()")
+            print(f"max_cache_len {size}: max |logits - torch| over 6 decode steps: "
+                  + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+            if max(diffs.values()) > 1e-4:
+                raise SystemExit(f"a peer computes something else than torch: {diffs}")
+
             ids = np.array([[7]], np.int64)
             tid = torch.from_numpy(ids)
             positions = [p % size for p in range(args.calls)]
@@ -118,6 +182,14 @@ def main() -> None:
                         # the inner module: the outer wrapper's forward drops cache_position (transformers 5.23)
                         eager.model(input_ids=tid, cache_position=torch.tensor([p]))
 
+            def run_ort_iobinding():
+                for p in positions:
+                    ort.step_iobinding(ids, p)
+
+            def run_ort_run():
+                for p in positions:
+                    ort.step_run(ids, p)
+
             # The same engine function called raw, in a context of its own (another State's): what onecopy adds.
             whole = decode._whole_call
             handle = decode._delegates[whole.delegate]
@@ -136,7 +208,8 @@ def main() -> None:
                     view = results.get_as_object(0, rt.HalBufferView)
                     np.array(view.map().asarray(tuple(view.shape), np.dtype(np.float32)))
 
-            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch, "torch 1 thread": run_torch_1t}
+            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch, "torch 1 thread": run_torch_1t,
+                     "onnxruntime IOBinding": run_ort_iobinding, "onnxruntime run": run_ort_run}
             times = {name: [] for name in peers}
             for fn in peers.values():  # warm-up
                 fn()
@@ -150,26 +223,48 @@ def main() -> None:
                     peers[name]()
                     times[name].append((time.perf_counter() - start) / args.calls * 1e3)
             medians = {name: statistics.median(t) for name, t in times.items()}
-            paired = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch"]))
-            paired_1t = statistics.median(a / b for a, b in zip(times["onecopy"], times["torch 1 thread"]))
-            over_raw = statistics.median(a / b for a, b in zip(times["onecopy"], times["raw IREE"]))
+            # ORT's best configuration: the mode onecopy compares worst with (paired by round).
+            ort_best = max(("onnxruntime IOBinding", "onnxruntime run"), key=lambda m: _paired(times, "onecopy", m))
+            ratios = {"onecopy_over_ort": _paired(times, "onecopy", ort_best),
+                      "onecopy_over_ort_iobinding": _paired(times, "onecopy", "onnxruntime IOBinding"),
+                      "onecopy_over_ort_run": _paired(times, "onecopy", "onnxruntime run"),
+                      "onecopy_over_torch": _paired(times, "onecopy", "torch"),
+                      "onecopy_over_torch_1_thread": _paired(times, "onecopy", "torch 1 thread"),
+                      "onecopy_over_raw_iree": _paired(times, "onecopy", "raw IREE")}
             cache_mib = sum(state.read(n).nbytes for n in state.names()) / 2**20
+            targets = [
+                _target("decode per token, onecopy / ONNX Runtime (its best mode)", times, ort_best, 0.75),
+                _target("decode per token, onecopy / torch eager (default threads)", times, "torch", 0.5),
+                _target("decode per token, onecopy / torch eager 1 thread (information)", times, "torch 1 thread", 0.5),
+            ]
             rows.append({"max_cache_len": size, "cache_mib": round(cache_mib, 3),
                          "ms_per_token": {k: round(v, 4) for k, v in medians.items()},
-                         "onecopy_over_torch": round(paired, 3), "onecopy_over_torch_1_thread": round(paired_1t, 3),
-                         "onecopy_over_raw_iree": round(over_raw, 3)})
-            print(f"max_cache_len {size:5d} ({cache_mib:6.2f} MiB cache): onecopy {medians['onecopy']:.3f} ms/token, "
-                  f"raw IREE {medians['raw IREE']:.3f}, torch eager {medians['torch']:.3f} (1 thread "
-                  f"{medians['torch 1 thread']:.3f}); onecopy / torch {paired:.3f} (1 thread {paired_1t:.3f}), "
-                  f"onecopy / raw IREE {over_raw:.3f} (paired by round)")
+                         "max_abs_diff_logits_vs_torch": diffs, "ort_best_mode": ort_best, **ratios,
+                         "targets": targets})
+            common.print_table(
+                ["peer", "ms/token", "onecopy ÷ peer (paired)"],
+                [[name, f"{medians[name]:.3f}", "" if name == "onecopy" else f"{_paired(times, 'onecopy', name):.3f}"]
+                 for name in peers],
+                title=f"max_cache_len {size} ({cache_mib:.2f} MiB cache), {args.rounds} rounds x {args.calls} tokens")
+            for t in targets:
+                print(f"  {t['name']} [{t['peer']}]: {t['value']:.3f} [{t['interval_95'][0]:.3f}-"
+                      f"{t['interval_95'][1]:.3f}] (target <= {t['threshold']}: {t['verdict']})")
             prog.close()
     scaling = update_scaling()
+    machine["load_average_end"] = list(os.getloadavg())
+    others = common.foreign_cpu(cpu_start)
+    print(f"other processes used {others['fraction']:.0%} of the CPUs during the run")
     out = Path(__file__).parent / "results" / "llm_decode.json"
-    out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                               "load_avg": os.getloadavg(), "torch": torch.__version__, "rows": rows,
-                               "update_vs_cache_size": scaling}, indent=2))
+    out.write_text(json.dumps({
+        "machine": machine, "rounds": args.rounds, "calls_per_block": args.calls,
+        "onnxruntime_peer": {
+            "cache": "static: k/v inputs and outputs of max_cache_len tokens (StaticCache), fed back each step",
+            "exporter": ort.exporter, "intra_op_threads": ort.intra_op_threads or "default (one per physical core)",
+            "timed_modes": {"onnxruntime IOBinding": "run_with_iobinding, all inputs/outputs bound to preallocated "
+                                                     "buffers, two k/v sets in turn (no copy between steps)",
+                            "onnxruntime run": "InferenceSession.run with numpy feeds, outputs fed back"}},
+        "other_processes_cpu": others, "rows": rows, "update_vs_cache_size": scaling}, indent=2, default=str))
     print("wrote", out)
-
 
 if __name__ == "__main__":
     main()
