@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from onecopy import Runtime
+from onecopy.export import export_program
 from onecopy.errors import ExecutionError, InvalidArgument
 from onecopy.program import DelegateDef, ProgramFile
 from onecopy.runtime import Backend, DelegateHandle, InitContext, register_backend
@@ -259,3 +260,20 @@ def test_delegate_init_receives_its_context(small_program, tmp_path):
     assert context.program_path == path
     with pytest.raises(InvalidArgument, match="option 'verbose' expects bool, got int"):
         Runtime().load_program(path, backend_options={"RecordingBackend": {"verbose": 1}})
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x, s):
+        return x * s
+
+
+def test_a_scalar_input_keeps_its_rank_on_repeated_calls(tmp_path):
+    """The repeated (checked) calls copy their inputs in on a path of their own: a 0-d input must stay 0-d there
+    too (np.ascontiguousarray makes it 1-d, which the engine refused from the second call on)."""
+    ep = torch.export.export(Scale(), (torch.zeros(4), torch.tensor(2.0)))
+    path = export_program({"forward": ep}).save(tmp_path / "scale.onecopy")
+    with Runtime().load_program(path) as program:
+        forward = program.load_method("forward")
+        for s in (3.0, 5.0, 7.0):
+            (y,) = forward.execute([np.ones(4, np.float32), np.array(s, np.float32)])
+            np.testing.assert_array_equal(y, np.full(4, s, np.float32))

@@ -28,7 +28,7 @@ from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
     "compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "parameter_provider",
-    "LoadedModel", "EngineFunction",
+    "LoadedModel", "EngineFunction", "dense",
 ]
 
 log = logging.getLogger("onecopy")
@@ -288,6 +288,13 @@ class LoadedModel:
             keepalive.close()
 
 
+def dense(array: np.ndarray) -> np.ndarray:
+    """`array` as the engine takes it: C-contiguous, its rank kept. Strided arrays (padded surface rows, views) are
+    gathered; np.ascontiguousarray alone would also turn a 0-d array into a 1-d one, which a function taking a
+    scalar tensor refuses (rank mismatch)."""
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 _element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, looked up once
 _dtypes: dict[Any, np.dtype] = {}  # HAL element type -> numpy dtype, looked up once
 
@@ -334,7 +341,7 @@ class EngineFunction:
         bytes_in = sum(int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize for array in inputs)
         vm_function, engine_error = self._vm_function, self.engine_error
         checkout, checkin = model.checkout, model.checkin
-        variant_list, view_type, dense = rt.VmVariantList, rt.HalBufferView, np.ascontiguousarray
+        variant_list, view_type = rt.VmVariantList, rt.HalBufferView
         copy_out, indices = self.copy_out, range(outputs)
         count, result_count = len(inputs), max(outputs, 1)
 
@@ -359,11 +366,9 @@ class EngineFunction:
     def copy_in(self, array: np.ndarray) -> Any:
         element_type = self._element_type(array.dtype)
         device = self.model.device
-        # Strided (e.g. padded surface rows) arrays are gathered densely here: the engine only takes dense views.
         return device.allocator.allocate_buffer_copy(
-            memory_type=self._memory_type, allowed_usage=self._usage, device=device,
-            # np.ascontiguousarray would make a 0-d array 1-d, which a function taking a scalar tensor refuses.
-            buffer=array if array.flags.c_contiguous else np.ascontiguousarray(array), element_type=element_type,
+            memory_type=self._memory_type, allowed_usage=self._usage, device=device, buffer=dense(array),
+            element_type=element_type,
         )
 
     def _element_type(self, dtype: np.dtype) -> Any:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onecopy.delegate.engine import dense
 from onecopy.delegate.manifest import StateEntry
 from onecopy.errors import ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
@@ -27,7 +28,8 @@ __all__ = ["EngineState", "state_copied_call"]
 
 def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: int):
     """`invocation.call_copied` in a State's context, specialized for inputs shaped as `inputs` (as
-    `EngineFunction.copied_call` is for the pool's contexts): element types, byte counts and bound methods looked up once. Returns `call(state, arrays, stats)`."""
+    `EngineFunction.copied_call` is for the pool's contexts): element types, byte counts and bound methods looked
+    up once. Returns `call(state, arrays, stats)`."""
     rt, model = function.rt, function.model
     device = model.device
     allocate = device.allocator.allocate_buffer_copy
@@ -46,8 +48,7 @@ def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], ou
         args = variant_list(count)
         for array, element_type in zip(arrays, element_types):
             args.push_ref(allocate(memory_type=memory_type, allowed_usage=usage, device=device,
-                                   buffer=array if array.flags.c_contiguous else np.ascontiguousarray(array),
-                                   element_type=element_type))
+                                   buffer=dense(array), element_type=element_type))
         stats.copied_in += bytes_in
         results = variant_list(result_count)
         try:
