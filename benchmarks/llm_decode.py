@@ -32,15 +32,6 @@ import torch
 import common
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    return LlamaForCausalLM(config).eval()
-
-
 class _Step(torch.nn.Module):
     """One Linear(1024) and an index_copy_ of its result into a cache of `rows` x 1024 (f32)."""
 
@@ -119,9 +110,10 @@ def main() -> None:
 
     from onecopy import Runtime
     from onecopy.llm import export_llm
+    from onecopy.models import tiny_llama
 
     machine = common.machine_info()
-    model = tiny_llama()
+    model = tiny_llama(max_positions=4096)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["ONECOPY_CACHE_DIR"] = str(Path(tmp) / "cache")

@@ -8,20 +8,12 @@ import torch
 
 from onecopy import ExecutionError, Runtime
 from onecopy.export import Partitioner
+from onecopy.models import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 MAX_CACHE = 32
 PREFILL = 4
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")

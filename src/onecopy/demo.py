@@ -483,17 +483,6 @@ LLM_CACHE_TOKENS = 256
 LLM_PREFILL_TOKENS = 16
 
 
-def _tiny_llama():
-    """tests/test_llm.py's tiny_llama: random weights, seed 0."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
-
-
 def _llm_missing() -> str | None:
     import importlib.util
 
@@ -541,7 +530,9 @@ def _measure_llm(out: Path, cache_dir: Path, config: DemoConfig, steps: _Steps) 
     from onecopy.measure import interleaved, paired_ratio
 
     steps.start(f"LLM: exporting a tiny random-weight Llama as prefill + decode (cache {LLM_CACHE_TOKENS} tokens)")
-    model = _tiny_llama()
+    from onecopy.models import tiny_llama
+
+    model = tiny_llama()
     program = export_llm(model, max_cache_len=LLM_CACHE_TOKENS, prefill_tokens=LLM_PREFILL_TOKENS)
     path = program.save(out / "llm.onecopy")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["builtin_model", "builtin_methods", "attention_block"]
+__all__ = ["builtin_model", "builtin_methods", "attention_block", "tiny_llama"]
 
 WIDTH = 1024
 LAYERS = 8
@@ -68,3 +68,16 @@ def attention_block(dim: int = 64, heads: int = 4, seed: int = 0):
 
     torch.manual_seed(seed)
     return AttentionBlock().eval()
+
+
+def tiny_llama(max_positions: int = 256, seed: int = 0):
+    """A tiny random-weight `LlamaForCausalLM` (2 layers, hidden 64, 4 heads with 2 KV heads, vocab 128, fp32), in
+    eval mode: the built-in language model of the demo, the tests and benchmarks/llm_decode.py. Needs transformers
+    (`pip install 'onecopy[llm]'`)."""
+    torch = _torch()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    return LlamaForCausalLM(config).eval()

@@ -102,6 +102,8 @@ class Method:
         self._definition = definition
         self._meta = meta
         self._delegates = delegates
+        # Decided once: every call asks first, before anything else runs (cache-cold, see `execute`).
+        self._stateful = bool(definition.states)
         self._closed = program_closed
         self._constants = {
             c.id: np.frombuffer(named_data[c.key], dtype=c.spec.dtype).reshape([int(d) for d in c.spec.shape])
@@ -171,7 +173,7 @@ class Method:
         A frame loop over bound surfaces calls with the same surfaces every time: such a call is planned once, as
         `prepare` would, and this thread's next calls on the same arrays (or new views of the same surfaces, same
         layout) rerun the plan, with no per-argument work."""
-        if state is not None or self._definition.states:
+        if state is not None or self._stateful:
             return execute_stateful(self, inputs, outputs, state)
         if outputs is None:
             for checked in self._checked_calls:
@@ -238,7 +240,7 @@ class Method:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
         over bound surfaces, say), as ONNX Runtime's IOBinding does. The arrays are checked here, once: a run
         reads whatever they hold then. Not for concurrent use; prepare one per thread."""
-        if self._definition.states:
+        if self._stateful:
             raise InvalidArgument(f"Method '{self.name}' keeps state; call execute(inputs, state=...) instead of "
                                   "prepare (prepared calls of stateful methods are not supported yet).")
         values, storage = self._arguments(inputs, outputs)

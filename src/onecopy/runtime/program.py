@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any

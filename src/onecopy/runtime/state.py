@@ -281,7 +281,7 @@ def execute_stateful(method: Method, inputs: Sequence[Any], outputs: Sequence[An
     program = method._owner
     if program is None:
         raise InvalidArgument(f"Method '{method.name}' was not loaded by a Program; it cannot take state=.")
-    if not method._definition.states:
+    if not method._stateful:
         raise InvalidArgument(f"Method '{method.name}' keeps no state; call it without state=.")
     if state is None:
         state = program.default_state
