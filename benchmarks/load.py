@@ -94,7 +94,7 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def compile_times(program: Path, repetitions: int) -> dict:
-    from onecopy.delegate.engine import compile_bundle
+    from onecopy.delegate.compiler import compile_bundle
     from onecopy.delegate.targets import TARGETS, compiler_flags, host_cpu_target
     from onecopy.program import read_program
 

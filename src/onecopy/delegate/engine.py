@@ -22,12 +22,12 @@ from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 
 ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
-from onecopy.delegate.targets import Target, compiler_flags
+from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
-    "compile_bundle", "compiler_version", "runtime_version", "vm_instance", "hal_device", "parameter_provider",
+    "compiler_version", "runtime_version", "vm_instance", "hal_device", "parameter_provider",
     "LoadedModel", "EngineFunction", "dense",
 ]
 
@@ -60,36 +60,6 @@ def runtime_version() -> str:
     from iree.runtime.version import VERSION
 
     return str(VERSION)
-
-
-def compile_bundle(
-    source: bytes | memoryview, target: Target, *, for_host: bool, data_tiling: bool = True,
-    extra_flags: Sequence[str] = (),
-) -> bytes:
-    """Compile MLIR (bytecode or text) into a `.vmfb` for `target`. Raises `DelegateError` with the compiler's
-    diagnostics."""
-    from iree.compiler import CompilerToolError, compile_str
-
-    flags = compiler_flags(target, for_host=for_host, data_tiling=data_tiling) + list(extra_flags)
-    try:
-        return compile_str(bytes(source), input_type="auto", extra_args=flags)
-    except CompilerToolError as e:
-        detail = str(e).strip().splitlines()
-        summary = next((line for line in detail if "error:" in line), detail[0] if detail else "unknown error")
-        raise DelegateError(f"IREE could not compile the bundle for {target.name}: {summary.strip()}") from e
-
-
-def compile_bundle_best(
-    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, extra_flags: Sequence[str] = ()
-) -> tuple[bytes, bool]:
-    """Compile with data tiling (faster matmuls), or without it where IREE fails: it is an optimization, and
-    IREE 3.13 fails some dynamic-shape dispatches with it (seen: "exceeded stack allocation limit" in an
-    attention block). Returns (vmfb, data_tiling_used). `extra_flags` go with the data-tiled compile only."""
-    try:
-        return compile_bundle(source, target, for_host=for_host, extra_flags=extra_flags), True
-    except DelegateError as e:
-        log.warning("%s: compiling for %s with data tiling failed (%s); compiling without it", where, target.name, e)
-        return compile_bundle(source, target, for_host=for_host, data_tiling=False), False
 
 
 def vm_instance() -> Any:

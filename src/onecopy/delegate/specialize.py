@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from onecopy.delegate.engine import (
-    ENCODED_SCOPE, compile_bundle, compile_bundle_best, hal_device, parameter_provider, vm_instance,
-)
+from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
+from onecopy.delegate.engine import ENCODED_SCOPE, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError

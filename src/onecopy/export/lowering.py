@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
-from onecopy.delegate.engine import compile_bundle
+from onecopy.delegate.compiler import compile_bundle
 from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS, Target
 from onecopy.errors import DelegateError, ExportError
