@@ -39,7 +39,7 @@ def main():
     args = parser.parse_args()
 
     import onecopy.delegate.specialize as backend
-    import onecopy.delegate.cache as cache
+    import onecopy.delegate.cache_publish as cache
 
     def hang():
         pathlib.Path(args.marker).write_text("here")

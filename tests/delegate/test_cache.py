@@ -134,7 +134,7 @@ def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, capl
 def test_weights_that_passed_a_full_check_are_not_rehashed_until_something_writes_them(
     mf_program, tmp_path, states, caplog, monkeypatch
 ):
-    import onecopy.delegate.cache as cache_module
+    import onecopy.delegate.cache_publish as cache_module
 
     monkeypatch.setattr(cache_module, "_SETTLE_S", -1.0)  # a stamp counts as settled at once (no 2 s wait here)
     hashed: list[int] = []
@@ -235,7 +235,7 @@ def test_old_tmp_leftovers_are_swept(tmp_path):
     fresh.mkdir()
     old = time.time() - 2 * 24 * 3600
     os.utime(stale, (old, old))
-    cache._sweep_tmp()
+    cache.sweep_tmp()
     assert not stale.exists() and fresh.exists()
 
 
@@ -249,7 +249,7 @@ def test_leftovers_of_a_dead_process_are_swept_at_once_and_a_live_ones_kept(tmp_
     for path in (dead, live, mine):
         path.mkdir()
         (path / "encoder.mlir").write_bytes(b"x")
-    cache._sweep_tmp()
+    cache.sweep_tmp()
     assert not dead.exists() and live.exists() and mine.exists()
 
 

@@ -55,6 +55,7 @@ class Specialization:
     module: bytes | None
     encoded: dict[str, np.ndarray] = field(default_factory=dict)  # name in scope `encoded` -> bytes (uint8)
     data_tiling: bool = True
+    tuning: dict | None = None  # the configuration chosen and every candidate's timing (see delegate/tuning.py)
 
 
 def _encoder_flags(path: Path) -> list[str]:
