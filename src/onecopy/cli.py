@@ -58,7 +58,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from onecopy.inspect import summarize
+    from onecopy.inspect import describe_tuning, specializations, summarize
     from onecopy.program import read_program
 
     loaded = read_program(args.file)
@@ -74,6 +74,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"    state: {', '.join(method['states'])}")
         for state in summary.states:  # kept by the engine between calls, updated in place
             print(f"state {state}")
+        specialized = specializations([b.export_hash for b in summary.bundles], args.cache_dir)
         for bundle in summary.bundles:
             code = ", ".join(f"{key.rsplit('/', 1)[-1]} {_mib(n)}" for key, n in bundle.code_bytes.items())
             print(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")
@@ -82,6 +83,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if bundle.encoder_bytes:  # vmfb: the weights each CPU target's code reads packed, made once per machine
                 encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
                 print(f"    parameter encoders (pack the weights once per machine): {encoders}")
+            for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
+                print(f"    specialized here for {entry.target} (cache entry {entry.key[:12]}): "
+                      f"{describe_tuning(entry.tuning)}")
     finally:
         loaded.close()
     return 0
@@ -309,8 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="for random weights (a config without a checkpoint)")
     p.set_defaults(func=cmd_export_hf)
 
-    p = sub.add_parser("inspect", help="methods, instructions, delegates, functions and sizes of a program")
+    p = sub.add_parser("inspect", help="methods, instructions, delegates, functions and sizes of a program, and "
+                                       "how this machine specialized (tuned) it")
     p.add_argument("file")
+    p.add_argument("--cache-dir", help="the specialization cache to look in (default: $ONECOPY_CACHE_DIR or the "
+                                       "user cache directory)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check a program file whole without running it: structure, every "

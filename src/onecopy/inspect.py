@@ -1,12 +1,22 @@
-"""What a program holds, read from its header alone (no engine, no torch): for `onecopy inspect` and the demo."""
+"""What a program holds, read from its header alone (no engine, no torch): for `onecopy inspect` and the demo.
+What this machine's specialization cache holds for it (how each bundle was specialized and tuned) is read from
+the entries' entry.json, without opening the cache."""
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from onecopy.delegate.cache_entry import META, CacheLayout
+from onecopy.delegate.cache_key import default_cache_dir
 from onecopy.program import DelegateCall, HostOp, LoadedProgramFile
 
-__all__ = ["BundleSummary", "ProgramSummary", "summarize"]
+__all__ = ["BundleSummary", "ProgramSummary", "SpecializationSummary", "describe_tuning", "specializations",
+           "summarize"]
 
 
 @dataclass
@@ -80,3 +90,50 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
         states=[f"{s.name} {s.spec.dtype}{list(s.spec.shape)} ({'zeros' if s.initial is None else 'initial value'})"
                 for s in definition.states],
     )
+
+
+@dataclass
+class SpecializationSummary:
+    """A cache entry made for a bundle on this machine: its key, target, and what tuning chose (None: not tuned)."""
+
+    key: str
+    target: str
+    tuning: dict[str, Any] | None
+
+
+def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike[str] | None = None
+                    ) -> dict[str, list[SpecializationSummary]]:
+    """The cache entries of each bundle (by export hash) in `cache_dir` (None: the default cache directory).
+    Reads entry.json files only; an unreadable one is left out (`onecopy cache verify` reports it)."""
+    entries = CacheLayout(default_cache_dir() if cache_dir is None else Path(cache_dir)).entries
+    found: dict[str, list[SpecializationSummary]] = {}
+    if not entries.is_dir():
+        return found
+    for path in sorted(entries.iterdir()):
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("export_hash") in export_hashes:
+            tuning = meta.get("tuning") if isinstance(meta.get("tuning"), dict) else None
+            found.setdefault(meta["export_hash"], []).append(
+                SpecializationSummary(path.name, str(meta.get("target")), tuning))
+    return found
+
+
+def describe_tuning(tuning: dict[str, Any] | None) -> str:
+    """One line: the configuration chosen and each candidate's latency (or why it was not kept)."""
+    if tuning is None:
+        return "not tuned (backend option tune=False): the default configuration"
+    if len(tuning.get("candidates", [])) <= 1:
+        return f"the default configuration ({tuning.get('note') or 'one candidate'})"
+    trials = []
+    for trial in tuning["candidates"]:
+        shown = f"{trial['latency_ms']:.3f} ms" if trial.get("latency_ms") is not None else ""
+        if trial.get("error"):
+            shown = f"{shown}, {trial['error']}" if shown else trial["error"]
+        trials.append(f"{trial['name']} {shown}")
+    budget = f" of a {tuning['budget_s']:.1f} s budget" if tuning.get("budget_s") is not None else ""
+    note = f"; {tuning['note']}" if tuning.get("note") else ""
+    return (f"tuned: chose {tuning['chosen']} in {tuning.get('elapsed_s', 0):.1f} s{budget} "
+            f"({'; '.join(trials)}){note}")

@@ -167,6 +167,12 @@ class IreeDelegate(DelegateHandle):
         return function is not None and bool(function.bindings)
 
 
+def _tunes(context: InitContext, manifest: Manifest) -> bool:
+    """Whether specialization tries several configurations (onecopy.delegate.tuning). Not for a module holding
+    state: timing it would need its state served too, and such modules (LLMs) hold no convolution to tune."""
+    return bool(context.backend_options.get("tune", True)) and not manifest.states
+
+
 @dataclass(frozen=True)
 class _Resolved:
     """Where and from what a delegate's model loads, decided before loading (and before the shared table)."""
@@ -198,6 +204,7 @@ class IreeBackend(Backend):
         "max_cache_bytes": int,
         "share_multifunction_model": bool,
         "bound_surfaces": str,
+        "tune": bool,
     }
 
     @staticmethod
@@ -294,6 +301,7 @@ class IreeBackend(Backend):
             if cache_disabled():
                 return _Resolved(manifest, units, target, None, None)
             features = host_features(target) + "|" + " ".join(compiler_flags(target, for_host=True))
+            features += "|tuned" if _tunes(context, manifest) else ""
             engine = compiler_version()
         options = context.backend_options
         cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
@@ -337,7 +345,8 @@ class IreeBackend(Backend):
             code = None  # the specialized module
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
-            produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch)
+            produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
+                                                 tune=_tunes(context, manifest))
         state = "restored"
         if produce is not None:
             if resolved.cache is None:
@@ -352,6 +361,7 @@ class IreeBackend(Backend):
                     packaging=manifest.packaging,
                     compute_units=resolved.units,
                     target=target.name,
+                    export_hash=manifest.export_hash,
                 )
                 module, encoded = entry.module(), entry.encoded()
             code = code if code is not None else module

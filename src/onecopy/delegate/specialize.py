@@ -16,6 +16,10 @@ The encoder module follows IREE's `iree-encode-parameters` protocol (reflection 
 bundle (manifest field `encoders`). At load, `encode` runs it once per machine; the cache entry then holds the
 encoded parameters only, while the module's code keeps running in place from the program file.
 
+Tuned specialization (backend option `tune`, on by default): a module holding convolutions is built in a few
+compiler configurations, each timed here and checked against the default's results, and the fastest is kept
+(onecopy.delegate.tuning); the choice and the timings go into the cache entry, so a restore never tunes again.
+
 Running an encoder at load is a specialization step: `ONECOPY_FORBID_SPECIALIZE=1` refuses it just as it refuses
 a compile, so a load under that variable is a restore or an error, never a silent repack.
 """
@@ -25,17 +29,21 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
-from onecopy.delegate.engine import ENCODED_SCOPE, hal_device, parameter_provider, vm_instance
+from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
+from onecopy.delegate.tuning import DEFAULT, Candidate, Runner, Tuning, candidates
+from onecopy.delegate.tuning import tune as tuned
 from onecopy.errors import DelegateError
+from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
     "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "Compiled", "Specialization", "compile_with_encoder", "encode",
@@ -83,18 +91,21 @@ def wants_encoder(has_parameters: bool, target: Target) -> bool:
 
 def compile_with_encoder(
     source: bytes | memoryview, target: Target, *, for_host: bool, where: str, with_encoder: bool,
-    scratch: Path | None = None,
+    scratch: Path | None = None, flags: Sequence[str] = (), fallback: bool = True,
 ) -> Compiled:
-    """Compile `source` for `target` with data tiling and, when `with_encoder`, IREE's parameter encoder for the
-    same target. If data tiling fell back, or the compiler produced no encoder (nothing to pack), there is none.
-    The compiler writes the encoder into a directory under `scratch` (the cache's, at load: a process killed here
-    leaves it where the cache sweeps it) or the system's temporary directory. Raises `DelegateError` with the
-    compiler's diagnostics (prefixed by the caller)."""
+    """Compile `source` for `target` with data tiling (and `flags`) and, when `with_encoder`, IREE's parameter
+    encoder for the same target. If data tiling fell back (`fallback`; else its failure raises), or the compiler
+    produced no encoder (nothing to pack), there is none. The compiler writes the encoder into a directory under
+    `scratch` (the cache's, at load: a process killed here leaves it where the cache sweeps it) or the system's
+    temporary directory. Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
     with tempfile.TemporaryDirectory(prefix="onecopy-encoder-", dir=scratch) as tmp:
         encoder_path = Path(tmp) / "encoder.mlir"
-        extra = _encoder_flags(encoder_path) if with_encoder else []
-        module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra)
-        if not extra or not data_tiling or not encoder_path.exists() or encoder_path.stat().st_size == 0:
+        extra = [*flags, *(_encoder_flags(encoder_path) if with_encoder else [])]
+        if fallback:
+            module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra)
+        else:
+            module, data_tiling = compile_bundle(source, target, for_host=for_host, extra_flags=extra), True
+        if not with_encoder or not data_tiling or not encoder_path.exists() or encoder_path.stat().st_size == 0:
             return Compiled(module, data_tiling)
         encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=for_host, data_tiling=False)
     return Compiled(module, data_tiling, encoder)
@@ -160,23 +171,57 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
 
 
 def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str,
-               scratch: Path | None = None) -> Specialization:
+               scratch: Path | None = None, *, tune: bool = False) -> Specialization:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
-    bundle becomes code.
+    bundle becomes code. `tune`: try the configurations of `onecopy.delegate.tuning` and keep the fastest.
 
     `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
     use it to prove a load was restored.
     """
     _check_allowed(where)
+    with_encoder = wants_encoder(bool(parameters), target)
+
+    def build(candidate: Candidate) -> Specialization:
+        try:
+            compiled = compile_with_encoder(source, target, for_host=True, where=where, with_encoder=with_encoder,
+                                            scratch=scratch, flags=candidate.flags, fallback=candidate == DEFAULT)
+        except DelegateError as e:
+            raise DelegateError(f"{where}: {e}") from e
+        if compiled.encoder is None:
+            return Specialization(compiled.module, data_tiling=compiled.data_tiling)
+        return Specialization(compiled.module, _encode(compiled.encoder, parameters, target, where))
+
+    if not tune:
+        return build(DEFAULT)
+    options = candidates(source)
+    if len(options) == 1:  # nothing to choose between: no model to load and time, the first load costs no more
+        made = build(DEFAULT)
+        made.tuning = Tuning(DEFAULT, note="no convolution: one configuration").record()
+        return made
+    models: list[LoadedModel] = []
+
+    def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
+        made = build(candidate)
+        encoded = {name: memoryview(array) for name, array in made.encoded.items()}
+        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
+        models.append(model)
+        functions: dict[str, Any] = {}
+
+        def run(name: str, arrays: list[np.ndarray], results: int) -> list[np.ndarray]:
+            function = functions.get(name)
+            if function is None:
+                function = functions[name] = model.function(name).copied_call(arrays, results)
+            return function(arrays, CopyStats())
+
+        return made, run
+
     try:
-        compiled = compile_with_encoder(source, target, for_host=True, where=where,
-                                        with_encoder=wants_encoder(bool(parameters), target), scratch=scratch)
-    except DelegateError as e:
-        raise DelegateError(f"{where}: {e}") from e
-    if compiled.encoder is None:
-        return Specialization(compiled.module, data_tiling=compiled.data_tiling)
-    encoded = _encode(compiled.encoder, parameters, target, where)
-    return Specialization(compiled.module, encoded)
+        chosen, tuning = tuned(source, build_and_load, where, options=options)
+    finally:
+        for model in models:
+            model.close()
+    chosen.tuning = tuning.record()
+    return chosen
 
 
 def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:

@@ -1,0 +1,276 @@
+"""Tuned specialization: compile a module in a few configurations, time each here, keep the fastest correct one.
+
+No single set of compiler flags is fastest for every model on CPU (measured, see docs/DESIGN "CPU speed by model
+family"): data tiling of convolutions takes a ResNet-18 from 7.6x ONNX Runtime to 2.2x but makes a pointwise
+1x1 convolution 12.7x slower; the channels-last preprocessing pass helps dense 3x3 convolutions. So when a
+module holds convolutions, specialization builds each candidate, runs every public function of it on the same
+random inputs, checks the results against those of today's configuration (the reference) and keeps the fastest.
+A module without convolutions has one candidate: its first load costs what it did without tuning.
+
+Shapes: each function's argument types come from the bundle's MLIR signature. A dynamic dimension (`?`) takes
+size 1, the B=1 (or one-token) call a device makes most; were 1 outside a symbol's range, the reference call
+fails like every other and the default configuration is kept.
+
+Budget: the whole tuning stays within `BUDGET_FACTOR` times a plain specialization (the default candidate's
+compile and encode): before each further candidate, the cost of the costliest build so far plus its timing run
+must still fit, else the remaining candidates are recorded as skipped.
+
+The choice and every candidate's figures (`Tuning.record()`) are stored in the cache entry: tuning is paid once
+per machine, a restore reads what was chosen and tunes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import DelegateError
+
+__all__ = ["BUDGET_FACTOR", "CANDIDATES", "DEFAULT", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates", "has_convolution",
+           "signatures", "tune"]
+
+log = logging.getLogger("onecopy")
+
+BUDGET_FACTOR = 3.0
+RTOL = 1e-3  # candidates reorder floating-point sums (tiles, layouts); results agree to ~1e-5 relative here
+_MIN_RUNS, _MAX_RUNS = 3, 50
+# A candidate replaces the one kept only when clearly faster: timings on a busy machine wander by a few percent.
+_MIN_GAIN = 0.03
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A compiler configuration: today's flags plus `flags`."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+
+
+DEFAULT = Candidate("default")
+CANDIDATES: tuple[Candidate, ...] = (
+    DEFAULT,
+    # Tried first: the budget often leaves room for one candidate only, and on a small CNN here (3 dense 3x3
+    # convolutions and a 1x1, 3x64x64) it won twice out of two (1.98 and 2.27 ms against 3.06 and 3.83 default,
+    # conv data tiling 2.77 and 3.18), as it did on dense 3x3 convolutions in the design notes' figures.
+    Candidate("channels-last", (
+        "--iree-preprocessing-pass-pipeline="
+        "builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
+    )),
+    Candidate("conv-data-tiling", ("--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution",)),
+)
+
+# Operation names as they appear in a bundle (torch dialect from export, linalg if lowered further). MLIR bytecode
+# stores every operation name as a plain string, so a byte search finds them without parsing the module (~0.2 s).
+_CONVOLUTION_OPS = (b"aten.convolution", b"linalg.conv_", b"linalg.depthwise_conv")
+
+
+def has_convolution(source: bytes | memoryview) -> bool:
+    data = bytes(source)
+    return any(op in data for op in _CONVOLUTION_OPS)
+
+
+def candidates(source: bytes | memoryview) -> list[Candidate]:
+    """The configurations worth trying for `source`: every candidate when it holds a convolution (what the
+    candidates change), else the default alone."""
+    return list(CANDIDATES) if has_convolution(source) else [DEFAULT]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A public function of the module: its arguments (shape with `None` where dynamic, numpy dtype) and results."""
+
+    name: str
+    arguments: tuple[tuple[tuple[int | None, ...], str], ...]
+    results: int
+
+
+_TENSOR = re.compile(r"^!torch\.vtensor<\[([^\]]*)\],(\w+)>$|^tensor<((?:[0-9?]+x)*)(\w+)>$")
+_DTYPES = {"f32": "float32", "f64": "float64", "f16": "float16", "si64": "int64", "si32": "int32", "i64": "int64",
+           "i32": "int32", "si8": "int8", "ui8": "uint8", "i8": "int8", "i1": "bool"}
+
+
+def _argument(text: str) -> tuple[tuple[int | None, ...], str]:
+    found = _TENSOR.match(text.strip())
+    if found is None:
+        raise ValueError(f"argument type {text} is not a tensor")
+    dims, element = (found.group(1), found.group(2)) if found.group(2) else (found.group(3).rstrip("x"), found.group(4))
+    if element not in _DTYPES:
+        raise ValueError(f"element type {element} has no numpy equivalent")
+    sep = "," if found.group(2) else "x"
+    shape = tuple(None if d.strip() == "?" else int(d) for d in dims.split(sep) if d.strip())
+    return shape, _DTYPES[element]
+
+
+def signatures(source: bytes | memoryview) -> list[Signature]:
+    """The public functions of an MLIR bundle (bytecode or text) and their argument types. Raises ValueError when
+    an argument is not a tensor numpy can make."""
+    from iree.compiler import ir
+
+    context = ir.Context()
+    context.allow_unregistered_dialects = True  # the torch dialect is not registered in the compiler's Python API
+    try:
+        module = ir.Module.parse(bytes(source), context)
+    except ir.MLIRError as e:
+        raise ValueError(f"the bundle does not parse: {e}") from e
+    found = []
+    for op in module.body.operations:
+        op = op.operation
+        if op.name != "func.func" or "sym_visibility" in op.attributes:
+            continue
+        kind = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+        name = ir.StringAttr(op.attributes["sym_name"]).value
+        found.append(Signature(name, tuple(_argument(str(t)) for t in kind.inputs), len(kind.results)))
+    return found
+
+
+def example_inputs(signature: Signature, rng: np.random.Generator) -> list[np.ndarray]:
+    """Random inputs of `signature`'s shapes (dynamic dimensions: 1); integers small, so that indices stay valid."""
+    arrays = []
+    for shape, dtype in signature.arguments:
+        concrete = tuple(1 if d is None else d for d in shape)
+        if np.issubdtype(np.dtype(dtype), np.floating):
+            arrays.append(rng.standard_normal(concrete).astype(dtype))
+        elif dtype == "bool":
+            arrays.append(rng.integers(0, 2, concrete).astype(bool))
+        else:
+            arrays.append(rng.integers(0, 4, concrete).astype(dtype))
+    return arrays
+
+
+@dataclass
+class Trial:
+    """One candidate's figures: its build time, its latency (every function once, median of runs), or why not."""
+
+    candidate: Candidate
+    build_s: float | None = None
+    latency_ms: float | None = None
+    error: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.candidate.name, "flags": list(self.candidate.flags), "build_s": self.build_s,
+                "latency_ms": self.latency_ms, "error": self.error}
+
+
+@dataclass
+class Tuning:
+    """What tuning decided, as stored in the cache entry (`record()`)."""
+
+    chosen: Candidate
+    trials: list[Trial] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    budget_s: float | None = None
+    note: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return {"chosen": self.chosen.name, "flags": list(self.chosen.flags), "elapsed_s": round(self.elapsed_s, 3),
+                "budget_s": None if self.budget_s is None else round(self.budget_s, 3), "note": self.note,
+                "candidates": [t.record() for t in self.trials]}
+
+
+# build(candidate) -> (what specialization keeps, a runner): the runner calls a function by name on arrays and
+# returns its results. Raises DelegateError when the candidate does not compile (or encode).
+Runner = Callable[[str, list[np.ndarray], int], list[np.ndarray]]
+Build = Callable[[Candidate], tuple[Any, Runner]]
+
+
+def _time(runner: Runner, calls: list[tuple[Signature, list[np.ndarray]]], budget_s: float) -> tuple[list, float]:
+    """Outputs of every call, and the median seconds of running them all, over runs that fit `budget_s`."""
+    outputs = [runner(s.name, arrays, s.results) for s, arrays in calls]  # also the warm-up run
+    runs: list[float] = []
+    spent = 0.0
+    while len(runs) < _MIN_RUNS or (len(runs) < _MAX_RUNS and spent < budget_s):
+        started = time.perf_counter()
+        for s, arrays in calls:
+            runner(s.name, arrays, s.results)
+        runs.append(time.perf_counter() - started)
+        spent += runs[-1]
+    return outputs, statistics.median(runs)
+
+
+def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]]) -> str | None:
+    """None when every result matches the reference's to RTOL of its scale, else where it does not."""
+    for i, (got, want) in enumerate(zip(outputs, reference)):
+        if len(got) != len(want):
+            return f"call {i} returned {len(got)} results, the reference {len(want)}"
+        for j, (a, b) in enumerate(zip(got, want)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape:
+                return f"result {j} of call {i} has shape {a.shape}, the reference {b.shape}"
+            if a.dtype.kind in "fc":
+                scale = float(np.max(np.abs(b))) if b.size else 0.0
+                error = float(np.max(np.abs(a - b))) if a.size else 0.0
+                if not np.isfinite(error) or error > RTOL * max(scale, 1e-6):
+                    return f"result {j} of call {i} differs by {error:.3g} (scale {scale:.3g})"
+            elif not np.array_equal(a, b):
+                return f"result {j} of call {i} differs"
+    return None
+
+
+def tune(source: bytes | memoryview, build: Build, where: str, *,
+         options: list[Candidate] | None = None) -> tuple[Any, Tuning]:
+    """Build `source` in each candidate configuration (`options`, default `candidates(source)`), keep the fastest
+    whose results agree with the default's. Returns what `build` made for the chosen one, and the tuning."""
+    started = time.perf_counter()
+    options = candidates(source) if options is None else options
+    first, rest = options[0], options[1:]
+    kept, runner = build(first)  # a failure here is the specialization's own: let it raise
+    plain_s = time.perf_counter() - started
+    tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))])
+    if not rest:
+        tuning.note = "no convolution: one configuration"
+        tuning.elapsed_s = plain_s
+        return kept, tuning
+    budget = BUDGET_FACTOR * plain_s
+    tuning.budget_s = budget
+    try:
+        sigs = signatures(source)
+        rng = np.random.default_rng(0)
+        calls = [(s, example_inputs(s, rng)) for s in sigs]
+        reference, seconds = _time(runner, calls, 0.1 * plain_s)
+    except (ValueError, RuntimeError, DelegateError) as e:
+        tuning.note = f"kept the default: its functions could not be run on example inputs ({e})"
+        tuning.elapsed_s = time.perf_counter() - started
+        log.info("%s: tuning skipped: %s", where, tuning.note)
+        return kept, tuning
+    tuning.trials[0].latency_ms = round(seconds * 1e3, 4)
+    best, best_s, costliest = kept, seconds, plain_s
+    for candidate in rest:
+        trial = Trial(candidate)
+        tuning.trials.append(trial)
+        elapsed = time.perf_counter() - started
+        if elapsed + costliest + 0.1 * plain_s > budget:
+            trial.error = "skipped: the tuning budget was spent"
+            continue
+        built = time.perf_counter()
+        try:
+            made, run = build(candidate)
+        except DelegateError as e:
+            trial.error = f"does not compile: {e}"
+            continue
+        finally:
+            trial.build_s = round(time.perf_counter() - built, 3)
+            costliest = max(costliest, trial.build_s)
+        try:
+            outputs, seconds = _time(run, calls, 0.1 * plain_s)
+        except (ValueError, RuntimeError, DelegateError) as e:
+            trial.error = f"does not run: {e}"
+            continue
+        trial.latency_ms = round(seconds * 1e3, 4)
+        wrong = _agrees(outputs, reference)
+        if wrong is not None:
+            trial.error = f"wrong answer: {wrong}"
+            continue
+        if seconds < best_s * (1 - _MIN_GAIN):
+            best, best_s, tuning.chosen = made, seconds, candidate
+    tuning.elapsed_s = time.perf_counter() - started
+    log.info("%s: tuned in %.1f s (budget %.1f s): chose %s (%s)", where, tuning.elapsed_s, budget,
+             tuning.chosen.name, ", ".join(f"{t.candidate.name} {t.latency_ms} ms" if t.latency_ms is not None
+                                            else f"{t.candidate.name} {t.error}" for t in tuning.trials))
+    return best, tuning

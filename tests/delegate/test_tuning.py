@@ -1,0 +1,177 @@
+"""Tuned specialization: several configurations compiled and timed once per machine, the fastest correct one kept."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import onecopy.delegate.specialize as specialize_module
+import onecopy.delegate.tuning as tuning
+from onecopy import Runtime
+from onecopy.cli import main as cli
+from onecopy.delegate.compiler import compile_bundle
+from onecopy.delegate.specialize import Compiled
+from onecopy.delegate.tuning import DEFAULT, Candidate, has_convolution, signatures
+from onecopy.errors import InvalidArgument
+from onecopy.export import export_program
+
+
+class SmallConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU(),
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+X = np.random.default_rng(1).standard_normal((1, 3, 16, 16)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def conv_model():
+    torch.manual_seed(0)
+    return SmallConvNet().eval()
+
+
+@pytest.fixture(scope="module")
+def conv_program(conv_model, tmp_path_factory):
+    exported = torch.export.export(conv_model, (torch.from_numpy(X),))
+    return export_program({"forward": exported}).save(tmp_path_factory.mktemp("tuning") / "conv.onecopy")
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """The candidates' flags, one tuple per compile specialization runs."""
+    made: list[tuple[str, ...]] = []
+    real = specialize_module.compile_with_encoder
+
+    def counting(*args, **kwargs):
+        made.append(tuple(kwargs.get("flags", ())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specialize_module, "compile_with_encoder", counting)
+    return made
+
+
+def load(path, cache_dir, **options):
+    program = Runtime(cache_dir=cache_dir).load_program(path, backend_options={"IreeBackend": options} if options else None)
+    return program, program.load_method("forward")
+
+
+def entry_meta(cache_dir) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(cache_dir.glob("v1/entries/*/entry.json"))]
+
+
+@pytest.mark.parametrize("value", [1, "no", None])
+def test_tune_is_a_bool_option(conv_program, tmp_path, value):
+    with pytest.raises(InvalidArgument, match=f"Backend 'IreeBackend' option 'tune' expects bool, got {type(value).__name__}"):
+        load(conv_program, tmp_path, tune=value)
+
+
+def test_the_choice_is_recorded_and_restored_without_tuning_again(conv_program, conv_model, tmp_path, builds, states,
+                                                                  monkeypatch, capsys):
+    program, forward = load(conv_program, tmp_path)  # tune is on by default
+    (y,) = forward.execute([X])
+    program.close()
+    assert len(builds) >= 2  # the default and at least one candidate within the budget
+    (meta,) = entry_meta(tmp_path)
+    record = meta["tuning"]
+    names = [c["name"] for c in record["candidates"]]
+    assert names == [c.name for c in tuning.CANDIDATES]
+    assert record["chosen"] in names and record["elapsed_s"] <= record["budget_s"] * 1.5
+    assert record["candidates"][0]["latency_ms"] > 0
+    np.testing.assert_allclose(y, conv_model(torch.from_numpy(X)).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+    builds.clear()
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # a restore only: any compile or tuning would raise
+    program, forward = load(conv_program, tmp_path)
+    (again,) = forward.execute([X])
+    program.close()
+    assert builds == [] and states() == ["specialized", "restored"]
+    np.testing.assert_array_equal(again, y)
+
+    assert cli(["inspect", str(conv_program), "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"tuned: chose {record['chosen']}" in out
+    assert f"default {record['candidates'][0]['latency_ms']:.3f} ms" in out
+
+
+def test_tune_off_compiles_exactly_one_configuration(conv_program, tmp_path, builds, capsys):
+    program, forward = load(conv_program, tmp_path, tune=False)
+    forward.execute([X])
+    program.close()
+    assert builds == [()]
+    (meta,) = entry_meta(tmp_path)
+    assert "tuning" not in meta
+    assert cli(["inspect", str(conv_program), "--cache-dir", str(tmp_path)]) == 0
+    assert "not tuned (backend option tune=False)" in capsys.readouterr().out
+
+
+def test_tuned_and_untuned_specializations_are_different_entries(conv_program, tmp_path):
+    for tune in (True, False):
+        load(conv_program, tmp_path, tune=tune)[0].close()
+    assert sorted("tuning" in meta for meta in entry_meta(tmp_path)) == [False, True]
+
+
+def test_a_module_without_convolution_compiles_one_configuration(small_program_path, tmp_path, builds):
+    load(small_program_path, tmp_path)[0].close()
+    assert builds == [()]
+    (meta,) = entry_meta(tmp_path)
+    assert meta["tuning"]["chosen"] == "default" and "no convolution" in meta["tuning"]["note"]
+
+
+WRONG = "wrong-but-fast"
+
+
+def test_a_candidate_that_fails_to_compile_or_answers_wrong_is_never_chosen(conv_program, conv_model, tmp_path,
+                                                                          monkeypatch):
+    broken = Candidate("broken", ("--iree-no-such-flag-anywhere",))
+    wrong = Candidate(WRONG, ("--wrong",))
+    monkeypatch.setattr(tuning, "CANDIDATES", (DEFAULT, broken, wrong))
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)  # every candidate is tried
+    real = specialize_module.compile_with_encoder
+
+    def compile_with_encoder(source, target, **kwargs):
+        if kwargs.get("flags") == wrong.flags:  # a module that skips the work: fastest, and all zeros
+            zeros = ("func.func @main(%arg0: tensor<1x3x16x16xf32>) -> tensor<1x8x16x16xf32> {\n"
+                     "  %0 = arith.constant dense<0.0> : tensor<1x8x16x16xf32>\n  return %0 : tensor<1x8x16x16xf32>\n}")
+            return Compiled(compile_bundle(zeros.encode(), target, for_host=True, data_tiling=False), False)
+        return real(source, target, **kwargs)
+
+    monkeypatch.setattr(specialize_module, "compile_with_encoder", compile_with_encoder)
+    program, forward = load(conv_program, tmp_path)
+    (y,) = forward.execute([X])
+    program.close()
+    (meta,) = entry_meta(tmp_path)
+    trials = {c["name"]: c for c in meta["tuning"]["candidates"]}
+    assert meta["tuning"]["chosen"] == "default"
+    assert trials["broken"]["error"].startswith("does not compile:") and trials["broken"]["latency_ms"] is None
+    assert trials[WRONG]["error"].startswith("wrong answer: result 0 of call 0 differs")
+    np.testing.assert_allclose(y, conv_model(torch.from_numpy(X)).detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_candidates_past_the_budget_are_skipped_and_say_so(conv_program, tmp_path, builds, monkeypatch):
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1.0)  # the default build alone spends it
+    load(conv_program, tmp_path)[0].close()
+    assert builds == [()]
+    (meta,) = entry_meta(tmp_path)
+    assert meta["tuning"]["chosen"] == "default"
+    assert [c["error"] for c in meta["tuning"]["candidates"][1:]] == ["skipped: the tuning budget was spent"] * (
+        len(tuning.CANDIDATES) - 1)
+
+
+def test_signatures_read_shapes_with_dynamic_dimensions_from_the_bundle():
+    text = ("func.func @main(%arg0: !torch.vtensor<[?,3,16,16],f32>, %arg1: !torch.vtensor<[4],si64>) -> "
+            "!torch.vtensor<[?,3,16,16],f32> {\n  %0 = torch.aten.relu %arg0 : !torch.vtensor<[?,3,16,16],f32> "
+            "-> !torch.vtensor<[?,3,16,16],f32>\n  return %0 : !torch.vtensor<[?,3,16,16],f32>\n}\n"
+            "func.func private @helper() {\n  return\n}")
+    (main,) = signatures(text.encode())
+    assert main.name == "main" and main.results == 1
+    assert main.arguments == (((None, 3, 16, 16), "float32"), ((4,), "int64"))
+    x, ids = tuning.example_inputs(main, np.random.default_rng(0))
+    assert x.shape == (1, 3, 16, 16) and x.dtype == np.float32 and ids.dtype == np.int64
+    assert not has_convolution(text.encode()) and has_convolution(b"... torch.aten.convolution ...")
