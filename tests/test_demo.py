@@ -222,6 +222,13 @@ def test_the_demo_modules_import_each_other_in_one_direction():
     assert [m for m in graph if reaches(m, m, {m})] == []
 
 
+def test_the_entry_of_the_fresh_processes_says_how_to_run_the_demo():
+    for args, said in (((), "for the demo itself run `onecopy demo`"), (("bogus",), "unknown demo child 'bogus'")):
+        done = subprocess.run([sys.executable, "-m", "onecopy.demo", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1 and said in done.stderr, done.stderr
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):

@@ -155,6 +155,9 @@ def _child_memory_llm(program: str, cache_dir: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("python -m onecopy.demo KIND ARGS runs one of the demo's fresh processes; "
+                         "for the demo itself run `onecopy demo`")
     kind, args = argv[0], argv[1:]
     if kind == "load-onecopy":
         found = _child_load_onecopy(args[0], args[1])
