@@ -13,7 +13,6 @@ target: 2 replicas' weight PSS <= 1.1x one replica's.
 from __future__ import annotations
 
 import io
-import os
 import socket
 import sys
 import threading
@@ -22,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -29,29 +29,13 @@ import common  # noqa: E402
 
 def replica_pids(app: str) -> list[int]:
     """Replica processes of an application, by the title Ray gives them (ray::ServeReplica:<app>:...)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"ServeReplica:{app}:".encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return sorted(found)
+    marker = f"ServeReplica:{app}:"
+    return sorted(p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or ()))
 
 
 def mapped_pss(pid: int, prefixes: tuple[str, ...]) -> int:
     """PSS (bytes) of the process's mappings of files under any of `prefixes`."""
-    total, counting = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping's header line: address range ... path
-                parts = line.split(maxsplit=5)
-                counting = len(parts) == 6 and parts[5].strip().startswith(prefixes)
-            elif counting and first == "Pss:":
-                total += int(line.split()[1]) * 1024
-    return total
+    return sum(m.pss for m in psutil.Process(pid).memory_maps(grouped=True) if m.path.startswith(prefixes))
 
 
 def load(url: str, body: bytes, clients: int, seconds: float) -> dict:

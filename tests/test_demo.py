@@ -90,7 +90,8 @@ def test_llm_rows_tell_the_state_story(quick_run):
 def test_without_transformers_the_llm_rows_are_skipped_and_a_failure_leaves_the_rest(monkeypatch):
     from rich.console import Console
 
-    from onecopy import demo
+    from onecopy.demo import llm_rows
+    from onecopy.demo.config import QUICK
 
     class Steps:
         def start(self, description):
@@ -101,16 +102,16 @@ def test_without_transformers_the_llm_rows_are_skipped_and_a_failure_leaves_the_
 
     out = io.StringIO()
     console = Console(file=out, width=140)
-    monkeypatch.setattr(demo, "_llm_missing", lambda: "not installed: transformers")
-    assert demo._measure_llm_rows(Path("."), Path("."), demo.QUICK, Steps(), console) == {
+    monkeypatch.setattr(llm_rows, "llm_missing", lambda: "not installed: transformers")
+    assert llm_rows.measure_llm_rows(Path("."), Path("."), QUICK, Steps(), console) == {
         "skipped": "not installed: transformers", "hint": "pip install 'onecopy[llm]'"}
-    monkeypatch.setattr(demo, "_llm_missing", lambda: None)
+    monkeypatch.setattr(llm_rows, "llm_missing", lambda: None)
 
     def fail(*args):
         raise RuntimeError("the engine said no\nin two lines")
 
-    monkeypatch.setattr(demo, "_measure_llm", fail)
-    assert demo._measure_llm_rows(Path("."), Path("."), demo.QUICK, Steps(), console) == {
+    monkeypatch.setattr(llm_rows, "measure_llm", fail)
+    assert llm_rows.measure_llm_rows(Path("."), Path("."), QUICK, Steps(), console) == {
         "error": "RuntimeError: in two lines"}
     assert "the LLM rows failed: RuntimeError: in two lines" in out.getvalue()
 
@@ -141,7 +142,7 @@ def test_demo_leaves_nothing_behind(quick_run):
 def test_table_shows_every_peer_row(quick_run):
     from rich.console import Console
 
-    from onecopy.demo_report import print_table
+    from onecopy.demo.report import print_table
 
     out = io.StringIO()
     print_table(quick_run["figures"], Console(file=out, width=140))
@@ -158,7 +159,7 @@ def test_table_shows_every_peer_row(quick_run):
 def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
     from rich.console import Console
 
-    from onecopy.demo_report import print_table
+    from onecopy.demo.report import print_table
 
     figures = copy.deepcopy(quick_run["figures"])
     figures["onnxruntime"] = "not installed: onnxruntime"
@@ -178,7 +179,7 @@ def test_without_onnxruntime_the_table_says_how_to_get_the_peer_rows(quick_run):
 def test_without_transformers_the_table_says_how_to_get_the_llm_rows(quick_run):
     from rich.console import Console
 
-    from onecopy.demo_report import print_table
+    from onecopy.demo.report import print_table
 
     for llm, said in (({"skipped": "not installed: transformers", "hint": "pip install 'onecopy[llm]'"},
                        "LLM rows skipped, not installed: transformers. For these rows: pip install 'onecopy[llm]'"),
@@ -189,6 +190,43 @@ def test_without_transformers_the_table_says_how_to_get_the_llm_rows(quick_run):
         print_table(figures, Console(file=out, width=140))
         assert said in out.getvalue() and "LLM decode" not in out.getvalue()
         assert "frame, bound surfaces" in out.getvalue()
+
+
+def _demo_imports() -> dict[str, set[str]]:
+    """The onecopy.demo modules each demo module imports, at module level or inside a function (from its ast)."""
+    import ast
+
+    import onecopy.demo
+
+    package = Path(onecopy.demo.__file__).parent
+    modules = {f"onecopy.demo.{p.stem}" if p.stem != "__init__" else "onecopy.demo": p for p in package.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_the_demo_modules_import_each_other_in_one_direction():
+    graph = _demo_imports()
+    assert "onecopy.demo.report" in graph and graph["onecopy.demo"], graph
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(m == goal or (m not in seen and reaches(m, goal, seen | {m})) for m in graph[start])
+
+    assert [m for m in graph if reaches(m, m, {m})] == []
+
+
+def test_the_entry_of_the_fresh_processes_says_how_to_run_the_demo():
+    for args, said in (((), "for the demo itself run `onecopy demo`"), (("bogus",), "unknown demo child 'bogus'")):
+        done = subprocess.run([sys.executable, "-m", "onecopy.demo", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 1 and said in done.stderr, done.stderr
 
 
 def _children(pid: int) -> list[int]:

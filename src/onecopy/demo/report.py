@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from onecopy.demo.config import INSTALL_HINT
+
 __all__ = ["print_table", "draw"]
 
 MIB = 2**20
@@ -135,8 +137,6 @@ def print_table(f: dict[str, Any], console) -> None:
             "transformers' static cache. Copies from decode.last_copy_stats; memory: PSS growth of a fresh process "
             "holding the loaded program, from 1 to 4 States (one decode each).")
     if not ort:
-        from onecopy.demo import INSTALL_HINT
-
         console.print(f"ONNX Runtime is {f['onnxruntime']}: onecopy's rows only. For the peer rows: {INSTALL_HINT}.",
                       style="bold", markup=False, highlight=False)
     if "skipped" in llm:
