@@ -133,7 +133,7 @@ def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewri
     model = DepthwiseBlock().eval()
     x = torch.randn(1, 16, 20, 20)
     program = export_program({"forward": torch.export.export(model, (x,))},
-                             compile_spec=CompileSpec(rewrites=rewrites, check_compiles=False))
+                             compile_spec=CompileSpec(rewrites=rewrites))
     prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
     try:
         (got,) = prog.load_method("forward").execute([x.numpy()])
