@@ -106,8 +106,9 @@ def export(methods: dict, path: Path, **spec) -> Path:
     return path
 
 
-def check(peers: dict, want, x) -> dict[str, float]:
-    return {name: common.max_abs_diff(fn(x), want) for name, fn in peers.items()}
+def check(peers: dict, want, x) -> dict[str, str]:
+    # As text: the results file rounds floats to 6 decimals, which would write these (~1e-7) as 0.
+    return {name: f"{common.max_abs_diff(fn(x), want):.2e}" for name, fn in peers.items()}
 
 
 def rounds(quick: bool) -> dict:
@@ -181,7 +182,8 @@ def memory(path: Path, cache_dir: Path, loads: int) -> dict:
 
 
 def markdown(machine: dict, payload: dict) -> str:
-    lines = [f"# Vision benchmark ({payload['date']})", "",
+    quick = " (a --quick smoke run: a few rounds of one call per peer)" if payload["quick"] else ""
+    lines = [f"# Vision benchmark ({payload['date']}){quick}", "",
              f"CPU: {machine['cpu_model']}, {machine['usable_cpus']} usable of {machine['logical_cpus']} logical CPUs "
              f"({', '.join(machine['cpu_flags'])}). Other processes used {payload['other_cpu']:.0%} of the CPUs "
              "during the run: a contended machine moves times by tens of percent; compare ratios within the run.",
@@ -196,10 +198,11 @@ def markdown(machine: dict, payload: dict) -> str:
         for peer, r in results.items():
             lines.append(f"| {layer} | {peer} | {r['p50_ms']:.3f} | {r['ratio_to_ort']:.2f} |")
     frame = payload["bound_frame"]
+    loads = len(next(iter(payload["memory"].values())))
     lines += ["", f"Bound fp16 NHWC frame -> ResNet-18 logits: {frame['ratio']:.3f}x the model alone "
               f"(target <= {TARGET_FRAME_OVER_MODEL}); copied in per call: {frame['copy_stats']['copied_in']} B.", "",
               "Memory growth per load of ResNet-18 (MiB, fresh process each):", "",
-              "| engine | RSS 1 load | RSS 4 loads | PSS 1 load | PSS 4 loads |", "|---|---|---|---|---|"]
+              f"| engine | RSS 1 load | RSS {loads} loads | PSS 1 load | PSS {loads} loads |", "|---|---|---|---|---|"]
     for engine, growth in payload["memory"].items():
         lines.append(f"| {engine} | {common.mib(growth[0]['rss'])} | {common.mib(growth[-1]['rss'])} | "
                      f"{common.mib(growth[0]['pss'])} | {common.mib(growth[-1]['pss'])} |")
@@ -295,7 +298,7 @@ def main() -> int:
         payload["bound_frame"] = {
             "ratio": ratio, "interval_95": interval,
             "timings": {k: {"p50_ms": s.median_ms, "p90_ms": s.p90_ms} for k, s in stats.items()},
-            "max_abs_error": common.max_abs_diff(got, want),
+            "max_abs_error": f"{common.max_abs_diff(got, want):.2e}",  # as text: see `check`
             "copy_stats": {f: getattr(copy_stats, f) for f in ("copied_in", "copied_out", "in_place_in", "in_place_out")},
             "target": common.target("bound frame / model alone", ratio, "<=", TARGET_FRAME_OVER_MODEL,
                                     interval=interval),
@@ -310,7 +313,7 @@ def main() -> int:
                   f"for {loads}; PSS +{common.mib(growth[0]['pss'])} / +{common.mib(growth[-1]['pss'])}")
     path = run.write(payload)
     document = json.loads(path.read_text())
-    summary = {**payload, "date": document["date"], "other_cpu": (document["other_processes_cpu"] or {}).get("fraction", 0.0)}
+    summary = {**payload, "date": document["date"], "quick": run.quick, "other_cpu": (document["other_processes_cpu"] or {}).get("fraction", 0.0)}
     path.with_suffix(".md").write_text(markdown(machine, summary))
     print(f"wrote {path.with_suffix('.md').name}")
     return 0
