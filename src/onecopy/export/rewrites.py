@@ -79,6 +79,8 @@ class _Rewriter:
 
     def finish(self) -> bool:
         """Give every reader that needs NCHW a transpose of the twin; drop the originals. Whether anything changed."""
+        if not self.replaced:  # a graph with nothing to rewrite is left exactly as it was
+            return False
         replaced = set(self.replaced)
         for original in self.replaced:
             readers = [u for u in original.users if u not in replaced]
@@ -105,7 +107,7 @@ class _Rewriter:
         self.graph.eliminate_dead_code()
         self.graph.lint()
         self.gm.recompile()
-        return bool(self.replaced)
+        return True
 
 
 def _static_4d(node: Any) -> bool:
