@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from onecopy.delegate.manifest import PACKAGINGS
 from onecopy.delegate.targets import COMPUTE_UNITS, TARGETS, host_cpu_target
 from onecopy.errors import InvalidArgument
+from onecopy.export.rewrites import DEFAULT_REWRITES, REWRITES
 
 __all__ = ["CompileSpec"]
 
@@ -24,6 +25,8 @@ class CompileSpec:
             the same flags), so that an op IREE cannot compile fails the export, naming it, instead of the first
             load (or runs on a registered host kernel). On by default; off only to save a compile where the
             program is known to compile (`vmfb` always compiles at export).
+        rewrites: graph rewrites applied to each method before lowering (onecopy.export.rewrites), in order:
+            "depthwise_nhwc" (depthwise convolutions as channels-last multiply-adds). `rewrites=()` turns them off.
 
     Example:
         CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))
@@ -33,10 +36,19 @@ class CompileSpec:
     compute_units: str = "cpu"
     targets: tuple[str, ...] = ()
     check_compiles: bool = True
+    rewrites: tuple[str, ...] = DEFAULT_REWRITES
 
     def __post_init__(self) -> None:
         if type(self.check_compiles) is not bool:
             raise InvalidArgument(f"CompileSpec.check_compiles expects bool, got {type(self.check_compiles).__name__}.")
+        if isinstance(self.rewrites, str):
+            raise InvalidArgument(f"CompileSpec.rewrites is a tuple of rewrite names; write rewrites=('{self.rewrites}',).")
+        object.__setattr__(self, "rewrites", tuple(self.rewrites))
+        unknown_rewrites = [r for r in self.rewrites if r not in REWRITES]
+        if unknown_rewrites:
+            raise InvalidArgument(
+                f"CompileSpec: unknown rewrite(s) {', '.join(map(repr, unknown_rewrites))}; known: {', '.join(REWRITES)}."
+            )
         if self.packaging not in PACKAGINGS:
             raise InvalidArgument(f"Unsupported packaging '{self.packaging}'; expected mlir or vmfb.")
         if self.compute_units not in COMPUTE_UNITS:

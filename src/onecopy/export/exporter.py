@@ -32,6 +32,7 @@ from onecopy.export.culprits import find_culprits, reason, source_line
 from onecopy.export.lowering import CompileFailed, LoweredBundle, StagedFunction, check_compiles, lower
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
+from onecopy.export.rewrites import apply_rewrites
 from onecopy.runtime.host_kernels import has_host_kernel
 from onecopy.export.state import ProgramStates, StateBinding, collect_states, guard_index_writes, state_groups
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
@@ -593,6 +594,7 @@ def export_program(
 
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
     decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
+    apply_rewrites(decomposed, {name: spec.rewrites for name, spec in specs.items()})
     on_host: dict[str, set[str]] = {name: set() for name in methods}
     # Modules lowered (and checked) so far, by what they are made of: planning again after moving an op to the
     # host lowers only the modules that changed. Parameter names are the same in every round (the same adds).
