@@ -25,7 +25,7 @@ from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext, OptionValue
 
-__all__ = ["Backend", "DelegateHandle", "OptionValue", "RunReport", "get_backend", "register_backend",
+__all__ = ["Backend", "DelegateHandle", "OptionValue", "Plan", "RunReport", "get_backend", "register_backend",
            "backend_names"]
 
 
@@ -38,6 +38,38 @@ class RunReport(NamedTuple):
     on_closed: Callable[[], None]
     local: threading.local
     record: Callable[[CopyStats, bool], None]
+
+
+class Plan(abc.ABC):
+    """A call of a delegate on fixed arrays, planned once and run many times (`DelegateHandle.prepare`).
+
+    The runtime asks every plan the same two things, and a backend answers what its plans can do:
+    - `only_surfaces`: the plan references nothing but bound surfaces (none of the caller's own arrays), so
+      `Method.execute` may keep it for the calls that repeat it at no cost in memory;
+    - `frame_run(report)`: a callable with no arguments that runs the plan for a method that is this one call,
+      with the method's own bookkeeping (`RunReport`) done too, and returns the outputs; None when the plan has
+      no such run. A backend can run a frame loop's whole step natively that way.
+    """
+
+    only_surfaces: bool = False
+
+    @abc.abstractmethod
+    def __call__(self, stats: CopyStats) -> list[np.ndarray]:
+        """Run on what the arrays hold now; add the bytes copied and used in place to `stats`."""
+
+    def frame_run(self, report: RunReport) -> Callable[[], list[np.ndarray]] | None:
+        return None
+
+
+class _ExecutePlan(Plan):
+    """The plan of a backend that plans nothing ahead: each run is an `execute`."""
+
+    def __init__(self, handle: DelegateHandle, inputs: Sequence[np.ndarray],
+                 outputs: Sequence[np.ndarray | None]) -> None:
+        self._handle, self._inputs, self._outputs = handle, inputs, outputs
+
+    def __call__(self, stats: CopyStats) -> list[np.ndarray]:
+        return self._handle.execute(self._inputs, self._outputs, stats)
 
 
 class DelegateHandle(abc.ABC):
@@ -55,15 +87,10 @@ class DelegateHandle(abc.ABC):
 
     def prepare(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
-    ) -> Callable[[CopyStats], list[np.ndarray]]:
-        """A call on these very arrays, planned once and run many times (`Method.prepare`): a callable taking
-        the `CopyStats` to add to. When it has an attribute `only_surfaces` that is true, it references nothing
-        but bound surfaces, so `Method.execute` may keep it for the calls that repeat it. It may also have a
-        method `frame_run(report: RunReport)` returning a callable with no arguments (or None) that runs the plan
-        for a method that is this one call, with the method's own bookkeeping (`RunReport`) done too, and
-        returns the outputs: a backend can run a frame loop's whole step natively that way. A backend that plans
-        nothing ahead gets this default: each run is an `execute`."""
-        return lambda stats: self.execute(inputs, outputs, stats)
+    ) -> Plan:
+        """A call on these very arrays, planned once and run many times (`Method.prepare`; see `Plan`). A
+        backend that plans nothing ahead gets this default: each run is an `execute`."""
+        return _ExecutePlan(self, inputs, outputs)
 
     def copied_call(
         self, inputs: Sequence[np.ndarray], outputs: int
