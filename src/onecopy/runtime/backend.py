@@ -141,11 +141,11 @@ class DelegateHandle(abc.ABC):
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
 
     def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
-                          ) -> Callable[[Any, Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+                          ) -> Callable[[Sequence[np.ndarray], CopyStats, Any], list[np.ndarray]]:
         """`execute_with_state` for inputs shaped as `inputs`, nothing bound, `outputs` results returned: a
-        callable taking (backend state, arrays, stats), made once per input signature (see `copied_call`)."""
+        callable taking (arrays, stats, backend state), made once per input signature (see `copied_call`)."""
         nothing: list[None] = [None] * outputs
-        return lambda state, arrays, stats: self.execute_with_state(state, arrays, nothing, stats)
+        return lambda arrays, stats, state: self.execute_with_state(state, arrays, nothing, stats)
 
     @abc.abstractmethod
     def destroy(self) -> None:

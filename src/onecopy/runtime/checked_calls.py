@@ -111,6 +111,6 @@ class CheckedStateCall:
         with state._lock:
             if state._closed or state._program.closed:
                 state._check()
-            produced = self._call(state._backend_for(self._handle), arguments, stats)
+            produced = self._call(arguments, stats, state._backend_for(self._handle))
         report.record(stats, debug)
         return produced
