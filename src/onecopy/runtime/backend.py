@@ -30,9 +30,11 @@ __all__ = ["Backend", "DelegateHandle", "OptionValue", "Plan", "RunReport", "get
 
 
 class RunReport(NamedTuple):
-    """What a run of a method that is one delegate call does besides the call, for a plan that runs it whole
-    (`frame_run` of a prepared plan): refuse to run once `closed` is set (`on_closed()` raises the error), then
-    keep the run's `CopyStats` as `local.stats` and, when the "onecopy" logger logs DEBUG, `record(stats, True)`."""
+    """What a run of a method that is one delegate call does besides the call, for whatever runs it whole (a
+    plan's `frame_run`, the runtime's kept calls): refuse to run once `closed` is set (`on_closed()` raises the
+    error), then `record(stats, debug)` the run's `CopyStats` (copy_stats.StatsRecord: `local.stats = stats`, and
+    a log line when `debug`, which the run decides before the engine runs). A native run may set `local.stats`
+    itself and call `record(stats, True)` only when logging."""
 
     closed: threading.Event
     on_closed: Callable[[], None]
