@@ -22,7 +22,7 @@ from onecopy.runtime.host_kernels import get_host_kernel
 from onecopy.runtime.method_meta import MethodMeta
 from onecopy.runtime.state import State
 
-__all__ = ["Method", "PreparedCall", "as_array"]
+__all__ = ["Method", "PreparedCall", "StatePreparedCall", "as_array"]
 
 log = logging.getLogger("onecopy")
 
@@ -184,20 +184,7 @@ class Method:
     def _execute_stateful(self, inputs: Sequence[Any], outputs: Sequence[Any] | None,
                           state: State | None) -> list[np.ndarray]:
         """Run on `state` (None: the program's default state), which serializes the calls made on it."""
-        program = self._owner
-        if program is None:
-            raise InvalidArgument(f"Method '{self.name}' was not loaded by a Program; it cannot take state=.")
-        if not self._stateful:
-            raise InvalidArgument(f"Method '{self.name}' keeps no state; call it without state=.")
-        if state is None:
-            state = program.default_state
-        elif type(state) is not State:
-            raise InvalidArgument(f"state= takes an onecopy State (program.create_state()), got {type(state).__name__}.")
-        elif state._program is not program:
-            raise InvalidArgument(
-                f"The State given to method '{self.name}' belongs to another program ('{state._program.source}'); "
-                "create one with this program's create_state()."
-            )
+        state = self._state_for(state)
         if outputs is None:
             for checked in self._state_calls:
                 if same_shapes(inputs, checked.templates):
@@ -231,13 +218,38 @@ class Method:
                 len(whole.outputs)))
         return results
 
-    def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None) -> PreparedCall:
+    def _state_for(self, state: Any) -> State:
+        """The State a call given `state=` runs on: `state` itself, checked to be one of this method's program,
+        or the program's default state when None."""
+        program = self._owner
+        if program is None:
+            raise InvalidArgument(f"Method '{self.name}' was not loaded by a Program; it cannot take state=.")
+        if not self._stateful:
+            raise InvalidArgument(f"Method '{self.name}' keeps no state; call it without state=.")
+        if state is None:
+            return program.default_state
+        if type(state) is not State:
+            raise InvalidArgument(f"state= takes an onecopy State (program.create_state()), got {type(state).__name__}.")
+        if state._program is not program:
+            raise InvalidArgument(
+                f"The State given to method '{self.name}' belongs to another program ('{state._program.source}'); "
+                "create one with this program's create_state()."
+            )
+        return state
+
+    def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
+                state: Any = None) -> PreparedCall | StatePreparedCall:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop
         over bound surfaces, say), as ONNX Runtime's IOBinding does. The arrays are checked here, once: a run
-        reads whatever they hold then. Not for concurrent use; prepare one per thread."""
-        if self._stateful:
-            raise InvalidArgument(f"Method '{self.name}' keeps state; call execute(inputs, state=...) instead of "
-                                  "prepare (prepared calls of stateful methods are not supported yet).")
+        reads whatever they hold then. A stateful method's call is prepared on `state` (None: the program's
+        default state): each run reads and updates it in place, as `execute(inputs, state=state)` does. Not for
+        concurrent use; prepare one per thread."""
+        if state is not None or self._stateful:
+            state = self._state_for(state)
+            with state._lock:
+                state._check()
+                values, storage = self._arguments(inputs, outputs)
+            return StatePreparedCall(self, values, storage, outputs, state)
         values, storage = self._arguments(inputs, outputs)
         return PreparedCall(self, values, storage, outputs)
 
@@ -349,3 +361,47 @@ class PreparedCall:
         for vid, array in zip(self._produces, self._planned(stats)):
             values[vid] = array
         return method._results(values, self._storage, self._outputs, stats)
+
+
+class StatePreparedCall:
+    """A stateful method's call on fixed input and output arrays and one `State` (`Method.prepare(..., state=s)`):
+    `run()` runs it on what the arrays hold now, in that State's engine storage, updated in place; no state byte
+    crosses into Python. A method that is one delegate call returning its results runs the delegate's copied call
+    for these arrays' signature, worked out once (`DelegateHandle.state_copied_call`); any other runs as
+    `execute(inputs, outputs, state=s)` would. Not for concurrent use."""
+
+    def __init__(self, method: Method, values: list[Any], storage: dict[int, np.ndarray],
+                 outputs: Sequence[Any] | None, state: State) -> None:
+        self._method = method
+        self._state = state
+        self._outputs = outputs
+        self._inputs = [values[v] for v in method._definition.inputs]
+        whole = method._whole_call
+        self._handle: DelegateHandle | None = None
+        self._call: Any = None
+        if whole is not None and not storage and method._delegates[whole.delegate].state_names:
+            self._handle = method._delegates[whole.delegate]
+            self._arguments = [values[v] for v in whole.inputs]
+            self._call = self._handle.state_copied_call(self._arguments, len(whole.outputs))
+
+    @property
+    def last_copy_stats(self) -> CopyStats:
+        return self._method.last_copy_stats
+
+    def run(self) -> list[np.ndarray]:
+        method, state = self._method, self._state
+        if method._closed.is_set():
+            method._check_open()
+        if self._call is None:
+            return method._execute_stateful(self._inputs, self._outputs, state)
+        bounds = method._definition.input_bounds
+        if bounds:  # the inputs' values change between runs: an index past the cache is refused at each
+            check_bounds(method.name, bounds, self._inputs)
+        stats = CopyStats()
+        debug = log.isEnabledFor(DEBUG)  # decided before the engine runs, like everything else here
+        with state._lock:
+            if state._closed or state._program.closed:
+                state._check()
+            produced = self._call(self._arguments, stats, state._backend_for(self._handle))
+        method._record(stats, debug)
+        return produced
