@@ -1,12 +1,21 @@
-"""FrameRun (delegate/_frame_run.c) on its own: a fake engine context and method, real surface locks. The paths
-of a real engine call on bound surfaces are in test_binding.py; these are the ones an engine rarely takes."""
+"""The frame step on its own, in both its forms: the definition (frame_step.FrameStep, Python) and its accelerator
+(_frame_run.FrameRun, C), each test run on both. A fake engine context and method, real surface locks. The paths of
+a real engine call on bound surfaces are in test_binding.py; these are the ones an engine rarely takes."""
 
 import threading
 
 import pytest
 
 from onecopy.delegate._frame_run import FrameRun
+from onecopy.delegate.frame_step import FrameStep
 from onecopy.runtime.copy_stats import CopyStats
+
+
+@pytest.fixture(autouse=True, params=[FrameStep, FrameRun], ids=["definition", "accelerator"])
+def step(request, monkeypatch):
+    """The form of the frame step the test builds."""
+    monkeypatch.setattr(Engine, "make", request.param, raising=False)
+    return request.param
 
 
 class Context:
@@ -64,7 +73,7 @@ class Engine:
             wait_locks=self.wait_locks, wake=self.woken.append,
         )
         fields.update(changes)
-        return FrameRun(**fields)
+        return self.make(**fields)
 
 
 @pytest.fixture
@@ -174,12 +183,12 @@ def test_waiting_threads_are_woken_after_the_run(two):
     assert engine.woken == [2]
 
 
-def test_a_run_takes_no_arguments_and_needs_every_field(two):
+def test_a_run_takes_no_arguments_and_needs_every_field(two, step):
     engine = Engine(two)
-    with pytest.raises(TypeError, match="takes no arguments"):
+    with pytest.raises(TypeError, match="takes no arguments|takes 1 positional argument"):
         engine.run()(1)
     with pytest.raises(TypeError):
-        FrameRun(stats=engine.stats)
+        step(stats=engine.stats)
     with pytest.raises(TypeError):
         engine.run(pool=("not", "a list"))
     with pytest.raises(ValueError, match="one mode per lock core"):

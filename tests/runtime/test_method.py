@@ -101,9 +101,9 @@ def test_a_call_shaped_as_a_checked_one_skips_the_checks(small_program_path, sma
 
 
 def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constants():
-    import types
 
-    from onecopy.runtime.method import CheckedCall
+    from onecopy.runtime.backend import RunReport
+    from onecopy.runtime.checked_calls import CheckedCall
 
     class Handle(DelegateHandle):  # the default copied_call: each call an execute
         has_bound_surfaces = False
@@ -115,7 +115,8 @@ def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constant
         def destroy(self):
             pass
 
-    method = types.SimpleNamespace(_closed=threading.Event(), _local=threading.local())
+    local = threading.local()
+    method = RunReport(threading.Event(), lambda: None, local, lambda stats, debug: setattr(local, "stats", stats))
     constant = np.arange(4.0)
     a, b, c = np.zeros(2), np.ones(3), np.ones(1)
     templates = tuple(np.broadcast_to(np.zeros(()), x.shape) for x in (a, b, c))
@@ -277,3 +278,24 @@ def test_a_scalar_input_keeps_its_rank_on_repeated_calls(tmp_path):
         for s in (3.0, 5.0, 7.0):
             (y,) = forward.execute([np.ones(4, np.float32), np.array(s, np.float32)])
             np.testing.assert_array_equal(y, np.full(4, s, np.float32))
+
+
+def test_load_method_hands_out_the_same_method_with_its_bound_surfaces(small_program_path, small_model, rng):
+    from onecopy import Surface
+
+    with Surface.create(1, 64, "float32") as surface:
+        program = Runtime().load_program(small_program_path)
+        forward = program.load_method("forward")
+        forward.bind_surface(surface)
+        again = program.load_method("forward")
+        assert again is forward and program.load_method("prefill") is not forward
+        assert list(again.bound_surfaces) == [surface.name]  # no second set of delegates without the binding
+        del forward, again, program
+        gc.collect()  # the program only the method held: it stays open for the method
+        x = rng.standard_normal((1, 64), dtype=np.float32)
+        method = Runtime().load_program(small_program_path).load_method("forward")
+        gc.collect()
+        np.testing.assert_allclose(method.execute([x])[0], eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+        method._owner.close()  # close() still ends every method it handed out
+        with pytest.raises(ExecutionError, match="belongs to a closed program"):
+            method.execute([x])

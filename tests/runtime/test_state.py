@@ -341,3 +341,43 @@ def test_share_state_false_keeps_the_methods_cache_apart_at_run_time(accumulator
         assert int(state.read("steps")) == 1 and int(state.read("decode.steps")) == 1
         assert state.read("cache")[:2].any() and not state.read("cache")[5].any()
         assert state.read("decode.cache")[5].any() and not state.read("decode.cache")[:2].any()
+
+
+@pytest.mark.parametrize("storage", [False, True], ids=["returned", "into-storage"])
+def test_a_prepared_call_on_a_state_runs_as_execute_does_and_copies_no_state(prog, rng, storage):
+    prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
+    state, twin = prog.create_state(), prog.create_state()
+    first = rows(rng, 2)
+    for s in (state, twin):
+        prefill.execute([first, np.array([0, 1])], state=s)
+    x, pos = rows(rng, 1), np.array([2])
+    out = np.full((1, 16), np.nan, np.float32) if storage else None
+    prepared = decode.prepare([x, pos], outputs=[out, None] if storage else None, state=state)
+    for calls, step in enumerate((2, 3, 5), start=2):  # the prefill was call 1
+        x[...], pos[...] = rows(rng, 1), step  # a run reads what the prepared arrays hold now
+        got = prepared.run()
+        want = decode.execute([x.copy(), pos.copy()], state=twin)
+        np.testing.assert_array_equal(got[0], want[0])
+        assert int(got[1]) == int(want[1]) == calls
+        stats = prepared.last_copy_stats
+        assert stats.copied_in == x.nbytes + pos.nbytes  # the inputs, never the cache
+        assert stats.copied_out == sum(o.nbytes for o in want)
+        if storage:
+            assert got[0] is out
+    for name in prog.state_names:
+        np.testing.assert_array_equal(state.read(name), twin.read(name))
+
+
+def test_a_prepared_call_takes_the_default_state_and_refuses_what_execute_refuses(stateful_program, prog, rng):
+    decode = prog.load_method("decode")
+    x, pos = rows(rng, 1), np.array([0])
+    (got, steps) = decode.prepare([x, pos]).run()
+    assert int(steps) == 1 and int(prog.default_state.read("steps")) == 1
+    with Runtime().load_program(stateful_program[0]) as other:
+        with pytest.raises(InvalidArgument, match="belongs to another program"):
+            decode.prepare([x, pos], state=other.create_state())
+    state = prog.create_state()
+    prepared = decode.prepare([x, np.array([0])], state=state)
+    state.close()
+    with pytest.raises(ExecutionError, match="This State was closed"):
+        prepared.run()

@@ -1,13 +1,11 @@
-/* The run of a planned call whose every argument is a bound surface, in C: a frame loop's whole step.
+/* The frame step in C: an accelerator of exactly its definition, `FrameStep` in frame_step.py, built from the same
+ * fields and run by default (ONECOPY_PYTHON_FRAME_STEP=1 runs the definition; tests/runtime/test_frame_step.py and
+ * tests/delegate/test_frame_run.py hold the two to the same results, stats and errors).
  *
- * Such a run (`Method.prepare(...).run()`, or `Method.execute` repeating a kept plan) decides nothing: it takes
- * the surfaces' locks, checks out a VM context, invokes the engine function on argument views made once, gives
- * context and locks back and records what the call moved. Written in Python, as invocation.py and method.py
- * have it, those steps ran after a call that streamed a frame through the caches, where each Python frame and
- * attribute lookup misses them: measured after a cache flush, the Python run added ~70 us to the raw engine
- * call on a small frame model, the same steps in one Python closure ~43, and this ~25, of which ~20 were the
- * locks, most of it their flock system calls; with the locks in shared memory (_lockcore.c) this is ~17-19
- * (benchmarks/frame_overhead.py).
+ * Why C: a frame step runs after a call that streamed a frame through the caches, where each Python frame and
+ * attribute lookup misses them. Measured after a cache flush, the step in one Python closure added ~43 us to the
+ * raw engine call on a small frame model, this ~25, of which ~20 were the locks, most of it their flock system
+ * calls; with the locks in shared memory (_lockcore.c) this is ~17-19 (benchmarks/frame_overhead.py).
  *
  * A FrameRun holds nothing but what the Python objects would: the engine's argument list, the lock cores and
  * modes, the context pool, the method's closed flag, stats and thread-local record. Every rare or slow case
@@ -258,7 +256,7 @@ give_back:;
 static PyTypeObject FrameRunType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "onecopy.delegate._frame_run.FrameRun",
-    .tp_doc = "A planned engine call on bound surfaces only, run by calling it with no arguments (see invocation.py).",
+    .tp_doc = "A frame step (frame_step.FrameStep) in C: run it by calling it with no arguments.",
     .tp_basicsize = sizeof(FrameRun),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -272,7 +270,7 @@ static PyTypeObject FrameRunType = {
 static struct PyModuleDef frame_run_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "onecopy.delegate._frame_run",
-    .m_doc = "A planned engine call on bound surfaces, run in C (see invocation.py).",
+    .m_doc = "The frame step in C, an accelerator of frame_step.FrameStep.",
     .m_size = -1,
 };
 

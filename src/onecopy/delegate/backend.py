@@ -127,13 +127,12 @@ class IreeDelegate(DelegateHandle):
     def state_names(self) -> tuple[str, ...]:
         return self._state_names
 
-    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int):
-        from onecopy.delegate.state import state_copied_call
-
+    def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
+                          ) -> Callable[[Sequence[np.ndarray], CopyStats, Any], list[np.ndarray]]:
         function = self._function
         if function is None:
             raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
-        return state_copied_call(function, inputs, outputs)
+        return function.copied_call(inputs, outputs)  # its `state` argument: an EngineState (its context)
 
     def state_domain(self) -> Any:
         model = self.model

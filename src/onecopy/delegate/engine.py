@@ -297,12 +297,14 @@ class EngineFunction:
 
     def copied_call(
         self, inputs: Sequence[np.ndarray], outputs: int
-    ) -> Callable[[Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+    ) -> Callable[..., list[np.ndarray]]:
         """`call_copied` specialized for inputs shaped as `inputs` and `outputs` results: everything that does not
         change between calls (element types, bytes in, the allocator, the bound methods) is looked up here, once,
-        and held by a closure. Such a call runs right after the previous one, with the interpreter's caches cold,
-        where each attribute lookup and Python frame costs a cache miss or more: measured call by call against
-        the raw IREE call, the general path added ~90 us to a 4 ms `prefill`, this one ~20."""
+        and held by a closure, `call(arrays, stats, state=None)`: it runs in a context of the model's pool, or in
+        a State's (`state.context`, onecopy.delegate.state). Such a call runs right after the previous one, with
+        the interpreter's caches cold, where each attribute lookup and Python frame costs a cache miss or more:
+        measured call by call against the raw IREE call, the general path added ~90 us to a 4 ms `prefill`, this
+        one ~20. So the State's variant is a branch here, not a frame around it."""
         rt, model = self.rt, self.model
         device = model.device
         allocate = device.allocator.allocate_buffer_copy
@@ -315,20 +317,23 @@ class EngineFunction:
         copy_out, indices = self.copy_out, range(outputs)
         count, result_count = len(inputs), max(outputs, 1)
 
-        def call(arrays: Sequence[np.ndarray], stats: CopyStats) -> list[np.ndarray]:
+        def call(arrays: Sequence[np.ndarray], stats: CopyStats, state: Any = None) -> list[np.ndarray]:
             args = variant_list(count)
             for array, element_type in zip(arrays, element_types):
                 args.push_ref(allocate(memory_type=memory_type, allowed_usage=usage, device=device,
                                        buffer=dense(array), element_type=element_type))
             stats.copied_in += bytes_in
             results = variant_list(result_count)
-            context = checkout()
+            context = checkout() if state is None else state.context
+            if context is None:
+                raise ExecutionError(f"{state.where}: this state was closed with its program; load the program again.")
             try:
                 context.invoke(vm_function, args, results)
             except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
                 raise engine_error(e) from e
             finally:
-                checkin(context)
+                if state is None:
+                    checkin(context)
             return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
 
         return call

@@ -10,8 +10,9 @@ ONNX Runtime's IOBinding does: what is left per run is the surface locks and the
 pays no Python per argument. That matters more than its microseconds suggest: a run that streams a 1080p frame
 through the caches leaves the interpreter's own code and data cold, and every Python step after it costs 3-4x
 what it costs in a tight loop (measured: 11 us of Python outside the engine cost ~40 us per 0.55 ms frame).
-So a plan whose every argument is a bound surface (a frame step) runs in C: `frame_run` makes that run
-(`_frame_run.FrameRun`), which also does the method's own bookkeeping, and a prepared call's `run` is it.
+So a plan whose every argument is a bound surface runs as a frame step (onecopy.delegate.frame_step, in C by
+default), which also does the method's own bookkeeping: `frame_run` makes it, and a prepared call's `run` is it.
+Every run takes the same engine step (`frame_step.engine_step`: context, locks, invoke, give back).
 
 Not for concurrent use: a plan owns its staging buffers and its argument list. Plan one per thread.
 """
@@ -21,18 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from logging import DEBUG
-from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onecopy.delegate._frame_run import FrameRun
-from onecopy.errors import ExecutionError
-from onecopy.runtime.backend import RunReport
-from onecopy.runtime.copy_stats import CopyStats
-from onecopy.surface.lock import give_all, take_all, wake_waiting
-
 from onecopy.delegate.engine import EngineFunction
+from onecopy.delegate.frame_step import engine_step, frame_step
+from onecopy.errors import ExecutionError
+from onecopy.runtime.backend import Plan, RunReport
+from onecopy.runtime.copy_stats import CopyStats
+from onecopy.surface.lock import wake_waiting
 
 if TYPE_CHECKING:
     from onecopy.delegate.binding import SurfaceBinding
@@ -85,7 +84,7 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
     return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
 
 
-class Invocation:
+class Invocation(Plan):
     """A planned call of `function` on `inputs`, writing `outputs` (None entries: new arrays each run)."""
 
     def __init__(self, function: EngineFunction, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]):
@@ -169,16 +168,15 @@ class Invocation:
         # only, none of the caller's own arrays, so keeping it for the next call costs no memory.
         self.only_surfaces = not self._copied and not self._staged and self._in_place
 
-
     def frame_run(self, report: RunReport) -> Callable[[], list[np.ndarray]] | None:
-        """This plan's run in C (`_frame_run.FrameRun`), reporting each run as `report` says, when the plan is a
-        frame step: every argument a bound surface read or written in place, each one's lock taken by the run
-        (so a closed one shows when taking it fails). None otherwise: `run` is the way then."""
+        """This plan's run as a frame step (onecopy.delegate.frame_step), reporting each run as `report` says,
+        when the plan is one: every argument a bound surface read or written in place, each one's lock taken by
+        the run (so a closed one shows when taking it fails). None otherwise: `run` is the way then."""
         if not self.only_surfaces or self._checks_first:
             return None
         function = self._function
         model = function.model
-        return FrameRun(
+        return frame_step(
             is_closed=report.closed.is_set, on_closed=report.on_closed, debug_enabled=log.isEnabledFor,
             debug_level=DEBUG, record=report.record, local=report.local, stats=self._constant,
             outputs=tuple(self._outputs), pool=model._pool, new_context=model._new_context,
@@ -232,23 +230,8 @@ class Invocation:
         results = self._rt.VmVariantList(self._result_count)
         stats.add(self._constant)  # what the plan copies in and uses in place; copies out are added below
         model = function.model
-        context = model.checkout()
-        cores = self._lock_cores
-        taken = 0
-        try:
-            # Held for the call: readers share, the surface written in place is exclusive (its generation moves on).
-            if cores:
-                taken = take_all(cores, self._lock_modes, get_ident())
-                if taken < len(cores):
-                    taken = self._take_rest(taken)
-            context.invoke(self._vm_function, args, results)
-        except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
-            raise function.engine_error(e) from e
-        finally:
-            model.checkin(context)
-            if taken and give_all(cores, self._lock_modes, taken):
-                self._wake(taken)
-
+        engine_step(model._pool, model._new_context, self._vm_function, args, results, self._lock_cores,
+                    self._lock_modes, self._take_rest, self._wake, function.engine_error)
         outputs = self._outputs
         if self._in_place:
             for i, view in self._staged:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onecopy.delegate.engine import dense
 from onecopy.delegate.manifest import StateEntry
 from onecopy.errors import ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
@@ -23,41 +22,7 @@ from onecopy.runtime.copy_stats import CopyStats
 if TYPE_CHECKING:
     from onecopy.delegate.engine import EngineFunction, LoadedModel
 
-__all__ = ["EngineState", "state_copied_call"]
-
-
-def state_copied_call(function: EngineFunction, inputs: Sequence[np.ndarray], outputs: int):
-    """`invocation.call_copied` in a State's context, specialized for inputs shaped as `inputs` (as
-    `EngineFunction.copied_call` is for the pool's contexts): element types, byte counts and bound methods looked
-    up once. Returns `call(state, arrays, stats)`."""
-    rt, model = function.rt, function.model
-    device = model.device
-    allocate = device.allocator.allocate_buffer_copy
-    memory_type, usage = function._memory_type, function._usage
-    element_types = tuple(function._element_type(array.dtype) for array in inputs)
-    bytes_in = sum(int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize for array in inputs)
-    vm_function, engine_error = function.vm_function, function.engine_error
-    variant_list, view_type = rt.VmVariantList, rt.HalBufferView
-    copy_out, indices = function.copy_out, range(outputs)
-    count, result_count = len(inputs), max(outputs, 1)
-
-    def call(state: EngineState, arrays: Sequence[np.ndarray], stats: CopyStats) -> list[np.ndarray]:
-        context = state.context
-        if context is None:
-            raise ExecutionError(f"{state.where}: this state was closed with its program; load the program again.")
-        args = variant_list(count)
-        for array, element_type in zip(arrays, element_types):
-            args.push_ref(allocate(memory_type=memory_type, allowed_usage=usage, device=device,
-                                   buffer=dense(array), element_type=element_type))
-        stats.copied_in += bytes_in
-        results = variant_list(result_count)
-        try:
-            context.invoke(vm_function, args, results)
-        except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
-            raise engine_error(e) from e
-        return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
-
-    return call
+__all__ = ["EngineState"]
 
 
 class EngineState:

@@ -1,6 +1,6 @@
 """The runtime: load programs, run methods. Never imports `onecopy.export` (a device needs no torch)."""
 
-from onecopy.runtime.backend import Backend, DelegateHandle, get_backend, register_backend
+from onecopy.runtime.backend import Backend, DelegateHandle, Plan, get_backend, register_backend
 from onecopy.runtime.backend_options import parse_backend_options
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.host_kernels import get_host_kernel, has_host_kernel, register_host_kernel
@@ -23,6 +23,7 @@ __all__ = [
     "InitContext",
     "Backend",
     "DelegateHandle",
+    "Plan",
     "get_backend",
     "register_backend",
     "parse_backend_options",

@@ -25,19 +25,53 @@ from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext, OptionValue
 
-__all__ = ["Backend", "DelegateHandle", "OptionValue", "RunReport", "get_backend", "register_backend",
+__all__ = ["Backend", "DelegateHandle", "OptionValue", "Plan", "RunReport", "get_backend", "register_backend",
            "backend_names"]
 
 
 class RunReport(NamedTuple):
-    """What a run of a method that is one delegate call does besides the call, for a plan that runs it whole
-    (`frame_run` of a prepared plan): refuse to run once `closed` is set (`on_closed()` raises the error), then
-    keep the run's `CopyStats` as `local.stats` and, when the "onecopy" logger logs DEBUG, `record(stats, True)`."""
+    """What a run of a method that is one delegate call does besides the call, for whatever runs it whole (a
+    plan's `frame_run`, the runtime's kept calls): refuse to run once `closed` is set (`on_closed()` raises the
+    error), then `record(stats, debug)` the run's `CopyStats` (copy_stats.StatsRecord: `local.stats = stats`, and
+    a log line when `debug`, which the run decides before the engine runs). A native run may set `local.stats`
+    itself and call `record(stats, True)` only when logging."""
 
     closed: threading.Event
     on_closed: Callable[[], None]
     local: threading.local
     record: Callable[[CopyStats, bool], None]
+
+
+class Plan(abc.ABC):
+    """A call of a delegate on fixed arrays, planned once and run many times (`DelegateHandle.prepare`).
+
+    The runtime asks every plan the same two things, and a backend answers what its plans can do:
+    - `only_surfaces`: the plan references nothing but bound surfaces (none of the caller's own arrays), so
+      `Method.execute` may keep it for the calls that repeat it at no cost in memory;
+    - `frame_run(report)`: a callable with no arguments that runs the plan for a method that is this one call,
+      with the method's own bookkeeping (`RunReport`) done too, and returns the outputs; None when the plan has
+      no such run. A backend can run a frame loop's whole step natively that way.
+    """
+
+    only_surfaces: bool = False
+
+    @abc.abstractmethod
+    def __call__(self, stats: CopyStats) -> list[np.ndarray]:
+        """Run on what the arrays hold now; add the bytes copied and used in place to `stats`."""
+
+    def frame_run(self, report: RunReport) -> Callable[[], list[np.ndarray]] | None:
+        return None
+
+
+class _ExecutePlan(Plan):
+    """The plan of a backend that plans nothing ahead: each run is an `execute`."""
+
+    def __init__(self, handle: DelegateHandle, inputs: Sequence[np.ndarray],
+                 outputs: Sequence[np.ndarray | None]) -> None:
+        self._handle, self._inputs, self._outputs = handle, inputs, outputs
+
+    def __call__(self, stats: CopyStats) -> list[np.ndarray]:
+        return self._handle.execute(self._inputs, self._outputs, stats)
 
 
 class DelegateHandle(abc.ABC):
@@ -55,15 +89,10 @@ class DelegateHandle(abc.ABC):
 
     def prepare(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None]
-    ) -> Callable[[CopyStats], list[np.ndarray]]:
-        """A call on these very arrays, planned once and run many times (`Method.prepare`): a callable taking
-        the `CopyStats` to add to. When it has an attribute `only_surfaces` that is true, it references nothing
-        but bound surfaces, so `Method.execute` may keep it for the calls that repeat it. It may also have a
-        method `frame_run(report: RunReport)` returning a callable with no arguments (or None) that runs the plan
-        for a method that is this one call, with the method's own bookkeeping (`RunReport`) done too, and
-        returns the outputs: a backend can run a frame loop's whole step natively that way. A backend that plans
-        nothing ahead gets this default: each run is an `execute`."""
-        return lambda stats: self.execute(inputs, outputs, stats)
+    ) -> Plan:
+        """A call on these very arrays, planned once and run many times (`Method.prepare`; see `Plan`). A
+        backend that plans nothing ahead gets this default: each run is an `execute`."""
+        return _ExecutePlan(self, inputs, outputs)
 
     def copied_call(
         self, inputs: Sequence[np.ndarray], outputs: int
@@ -114,11 +143,11 @@ class DelegateHandle(abc.ABC):
         raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) holds no state.")
 
     def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
-                          ) -> Callable[[Any, Sequence[np.ndarray], CopyStats], list[np.ndarray]]:
+                          ) -> Callable[[Sequence[np.ndarray], CopyStats, Any], list[np.ndarray]]:
         """`execute_with_state` for inputs shaped as `inputs`, nothing bound, `outputs` results returned: a
-        callable taking (backend state, arrays, stats), made once per input signature (see `copied_call`)."""
+        callable taking (arrays, stats, backend state), made once per input signature (see `copied_call`)."""
         nothing: list[None] = [None] * outputs
-        return lambda state, arrays, stats: self.execute_with_state(state, arrays, nothing, stats)
+        return lambda arrays, stats, state: self.execute_with_state(state, arrays, nothing, stats)
 
     @abc.abstractmethod
     def destroy(self) -> None:

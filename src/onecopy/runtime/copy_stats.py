@@ -9,9 +9,13 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 
-__all__ = ["CopyStats"]
+__all__ = ["CopyStats", "StatsRecord"]
+
+log = logging.getLogger("onecopy")
 
 
 @dataclass
@@ -32,3 +36,21 @@ class CopyStats:
     @property
     def copied(self) -> int:
         return self.copied_in + self.copied_out
+
+
+class StatsRecord:
+    """The one place a method's calls record what they moved: `record(stats, debug)` keeps `stats` as the calling
+    thread's last call's (`local.stats`, read by `Method.last_copy_stats`) and logs them when `debug`. Callers
+    decide `debug` before the engine runs: what runs after it runs with the interpreter's caches cold."""
+
+    __slots__ = ("_local", "_name")
+
+    def __init__(self, local: threading.local, name: str) -> None:
+        self._local = local
+        self._name = name
+
+    def __call__(self, stats: CopyStats, debug: bool) -> None:
+        self._local.stats = stats
+        if debug:
+            log.debug("method %s: copied in %d B, out %d B; in place in %d B, out %d B", self._name,
+                      stats.copied_in, stats.copied_out, stats.in_place_in, stats.in_place_out)

@@ -79,6 +79,10 @@ class Program:
         self._lock = threading.Lock()
         self._handles: list[DelegateHandle] = []
         self._methods = {m.name: m for m in loaded.definition.methods}
+        # The methods loaded, by name: `load_method` hands out the same one, with its bound surfaces, plans and
+        # kept calls. A method holds its program (see Method), so the two form a cycle: a program nobody holds
+        # any more is closed by the cycle collector, or by `close()`.
+        self._loaded: dict[str, Method] = {}
         self._states = StateRegistry()
         self._default_state: State | None = None
 
@@ -133,6 +137,11 @@ class Program:
     def definition(self):
         return self._file.definition
 
+    @property
+    def named_data(self):
+        """The program's named data store (weights, constants, initial states), mapped from its file."""
+        return self._file.named_data
+
     def method_meta(self, name: str) -> MethodMeta:
         return MethodMeta.from_definition(self._method_def(name), self._file.definition)
 
@@ -145,9 +154,13 @@ class Program:
             ) from None
 
     def load_method(self, name: str) -> Method:
-        """Initialize the method's delegates and return it ready to execute."""
+        """Initialize the method's delegates and return it ready to execute; the same Method for the same name
+        on every later call (its bound surfaces and kept plans with it)."""
         if self._closed.is_set():
             raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
+        method = self._loaded.get(name)
+        if method is not None:
+            return method
         definition = self._method_def(name)
         meta = MethodMeta.from_definition(definition, self._file.definition)
         handles: dict[int, DelegateHandle] = {}
@@ -190,8 +203,17 @@ class Program:
                 handle.destroy()
             raise
         with self._lock:
-            self._handles.extend(handles.values())
-        return method
+            known = self._loaded.get(name)
+            if known is None and not self._closed.is_set():
+                self._handles.extend(handles.values())
+                self._loaded[name] = method
+                return method
+        # Another thread loaded it meanwhile (that one is handed out), or the program closed while loading.
+        for handle in handles.values():
+            handle.destroy()
+        if known is None:
+            raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
+        return known
 
     def verify(self) -> list[Problem]:
         """Check the whole program without running it: each segment's bytes against its sha256 (loading hashes
@@ -214,6 +236,7 @@ class Program:
                 return
             self._closed.set()
             handles, self._handles = self._handles, []
+            self._loaded.clear()
         self._states.close_all()  # their VM contexts go before the models they run on
         for handle in handles:
             handle.destroy()

@@ -21,30 +21,37 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from onecopy.errors import ExecutionError, InvalidArgument
-from onecopy.program import DelegateCall, StateDef, write_atomically
-from onecopy.runtime._layout import same_shapes
-from onecopy.runtime.copy_stats import CopyStats
+from onecopy.program import NamedData, ProgramDef, StateDef, write_atomically
+from onecopy.runtime.backend import DelegateHandle
 
-if TYPE_CHECKING:
-    from onecopy.runtime.backend import DelegateHandle
-    from onecopy.runtime.method import Method
-    from onecopy.runtime.program import Program
+__all__ = ["State"]
 
-__all__ = ["State", "execute_stateful"]
+
+class StateOwner(Protocol):
+    """What a State needs of its program (onecopy.runtime.program.Program, which imports this module)."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def definition(self) -> ProgramDef: ...
+    @property
+    def named_data(self) -> NamedData: ...
+    def create_state(self) -> State: ...
 
 
 class State:
     """The states of one program, at their own values. Make one with `Program.create_state()` or
     `Program.load_state(path)`; use it with `method.execute(inputs, state=s)`."""
 
-    def __init__(self, program: Program, _token: object = None):
+    def __init__(self, program: StateOwner, _token: object = None):
         if _token is not _TOKEN:
             raise InvalidArgument("Create a State with program.create_state() or program.load_state(path).")
         self._program = program
@@ -81,7 +88,7 @@ class State:
         shape = [int(x) for x in d.spec.shape]
         if d.initial is None:
             return np.zeros(shape, d.spec.dtype)
-        return np.frombuffer(self._program._file.named_data[d.initial], d.spec.dtype).reshape(shape).copy()
+        return np.frombuffer(self._program.named_data[d.initial], d.spec.dtype).reshape(shape).copy()
 
     def read(self, name: str) -> np.ndarray:
         """A copy of state `name` as it is now."""
@@ -197,131 +204,14 @@ class State:
 _TOKEN = object()
 
 
-def new_state(program: Program) -> State:
+def new_state(program: StateOwner) -> State:
     return State(program, _TOKEN)
 
 
-def load_state(program: Program, path: str | os.PathLike[str]) -> State:
+def load_state(program: StateOwner, path: str | os.PathLike[str]) -> State:
     state = State(program, _TOKEN)
     state._load(path)
     return state
-
-
-def _check_bounds(method: Method, inputs: Sequence[np.ndarray]) -> None:
-    for index, (low, high) in method._definition.input_bounds.items():
-        array = inputs[index]
-        if array.size == 1:  # a decode step's position: item() is a tenth of min() + max()
-            lowest = highest = int(array.item())
-        elif array.size == 0:
-            continue
-        else:
-            lowest, highest = int(array.min()), int(array.max())
-        if lowest < low or highest > high:
-            bad = highest if highest > high else lowest
-            raise ExecutionError(
-                f"Input {index} of method '{method.name}' holds {bad}, outside "
-                f"[{low}, {high}], the values it was exported for: the engine does not check indices, so a cache "
-                "position past max_cache_len or a token id past the vocabulary is refused here. Start a new state "
-                "(state.reset()), or export with a larger max_cache_len."
-            )
-
-
-# Input signatures a stateful method keeps for calls that skip the checks (as Method's CHECKED_KEPT).
-CALLS_KEPT = 4
-
-
-class _CheckedStateCall:
-    """A stateful method that is one delegate call, on numpy inputs of one signature (shapes and dtypes, held by
-    `templates`) that passed `Method._arguments`: later calls of that signature with no output storage go straight
-    to the delegate. The checks are most of what a call costs on top of the engine (~15 of ~20 us on a decode
-    step of 0.12 ms). Immutable; shared by threads."""
-
-    __slots__ = ("templates", "_handle", "_arguments", "_call", "_bounds")
-
-    def __init__(self, method: Method, handle: DelegateHandle, templates: tuple[np.ndarray, ...]) -> None:
-        definition = method._definition
-        whole = method._whole_call
-        position = {vid: i for i, vid in enumerate(definition.inputs)}
-        self.templates = templates
-        self._handle = handle
-        # Per delegate input: the index of the method input it is, or a constant of the program.
-        self._arguments = tuple(position[v] if v in position else method._constants[v] for v in whole.inputs)
-        shapes = [a if isinstance(a, np.ndarray) else templates[a] for a in self._arguments]
-        self._call = handle.state_copied_call(shapes, len(whole.outputs))
-        self._bounds = bool(definition.input_bounds)
-
-    def run(self, method: Method, inputs: Sequence[np.ndarray], state: State) -> list[np.ndarray]:
-        if self._bounds:
-            _check_bounds(method, inputs)
-        arguments = [inputs[a] if type(a) is int else a for a in self._arguments]
-        stats = CopyStats()
-        with state._lock:
-            if state._closed or state._program.closed:
-                state._check()
-            produced = self._call(state._backend_for(self._handle), arguments, stats)
-        method._local.stats = stats
-        return produced
-
-
-def _remember(method: Method, inputs: Sequence[Any]) -> None:
-    whole = method._whole_call
-    if whole is None or not all(type(a) is np.ndarray for a in inputs):
-        return
-    handle = method._delegates[whole.delegate]
-    templates = tuple(np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in inputs)
-    known = getattr(method, "_state_calls", ())
-    if any(same_shapes(list(templates), c.templates) for c in known):
-        return
-    method._state_calls = (_CheckedStateCall(method, handle, templates), *known)[:CALLS_KEPT]
-
-
-def execute_stateful(method: Method, inputs: Sequence[Any], outputs: Sequence[Any] | None,
-                     state: State | None) -> list[np.ndarray]:
-    """Run a method on `state` (None: its program's default state)."""
-    program = method._owner
-    if program is None:
-        raise InvalidArgument(f"Method '{method.name}' was not loaded by a Program; it cannot take state=.")
-    if not method._stateful:
-        raise InvalidArgument(f"Method '{method.name}' keeps no state; call it without state=.")
-    if state is None:
-        state = program.default_state
-    elif type(state) is not State:
-        raise InvalidArgument(f"state= takes an onecopy State (program.create_state()), got {type(state).__name__}.")
-    elif state._program is not program:
-        raise InvalidArgument(
-            f"The State given to method '{method.name}' belongs to another program ('{state._program.source}'); "
-            "create one with this program's create_state()."
-        )
-    if outputs is None:
-        for checked in getattr(method, "_state_calls", ()):
-            if same_shapes(inputs, checked.templates):
-                if method._closed.is_set():
-                    method._check_open()
-                return checked.run(method, inputs, state)
-    with state._lock:
-        state._check()
-        values, storage = method._arguments(inputs, outputs)
-        definition = method._definition
-        if definition.input_bounds:
-            _check_bounds(method, [values[v] for v in definition.inputs])
-        stats = CopyStats()
-        for ins in definition.instructions:
-            if isinstance(ins, DelegateCall):
-                handle = method._delegates[ins.delegate]
-                args = [values[v] for v in ins.inputs]
-                outs = [storage.get(v) for v in ins.outputs]
-                if handle.state_names:
-                    produced = handle.execute_with_state(state._backend_for(handle), args, outs, stats)
-                else:
-                    produced = handle.execute(args, outs, stats)
-                for vid, array in zip(ins.outputs, produced):
-                    values[vid] = array
-            else:
-                method._run_host_op(ins, values)
-        results = method._results(values, storage, outputs, stats)
-    if outputs is None:
-        _remember(method, inputs)
-    return results
 
 
 class StateRegistry:

@@ -1,0 +1,145 @@
+"""The checks a method's arguments pass before anything runs: inputs, output storage, index bounds.
+
+Each error says which argument of which method is wrong and how to fix it; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import ExecutionError
+from onecopy.program import MethodDef
+from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+
+__all__ = ["as_array", "check_bounds", "check_inputs", "output_storage"]
+
+
+def as_array(value: Any, what: str) -> np.ndarray:
+    """numpy arrays as they are; DLPack producers (torch, jax, cupy on host) as zero-copy views; else asarray."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise ExecutionError(f"{what} cannot be viewed as a host array through DLPack: {e}") from e
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise ExecutionError(f"{what} is not an array: {type(value).__name__}.") from e
+
+
+def _check_list(given: Any, what: str, example: str) -> None:
+    """Inputs and outputs come as a list (or tuple) with one entry per tensor; a bare array would be taken apart
+    along its first axis."""
+    if not isinstance(given, Sequence) or isinstance(given, (str, bytes)):
+        raise ExecutionError(f"{what} as a list with one entry per tensor ({example}), got {type(given).__name__}.")
+
+
+def _check_tensor(
+    array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str,
+    ranges: dict[str, list[int | None]] | None = None,
+) -> None:
+    if array.dtype != meta.dtype:
+        raise ExecutionError(
+            f"{what} has dtype {array.dtype}; expected {meta.dtype}. Convert it, e.g. x.astype(np.{meta.dtype})."
+        )
+    if array.ndim != len(meta.shape):
+        raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
+    for axis, (given, want) in enumerate(zip(array.shape, meta.shape)):
+        if isinstance(want, str):
+            low, high = (ranges or {}).get(want, (None, None))
+            if (low is not None and given < low) or (high is not None and given > high):
+                raise ExecutionError(
+                    f"{what} has size {given} at dimension {axis} ('{want}'), outside its exported range "
+                    f"[{low}, {high if high is not None else 'inf'}]; re-export with a wider torch.export.Dim."
+                )
+            bound = symbols.setdefault(want, given)
+            if bound != given:
+                raise ExecutionError(
+                    f"{what} has size {given} at dimension {axis} ('{want}'), but another input set '{want}' = {bound}."
+                )
+        elif given != want:
+            raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
+
+
+def check_inputs(name: str, definition: MethodDef, meta: MethodMeta, inputs: Sequence[Any]) -> list[np.ndarray]:
+    """The inputs of method `name` as arrays, each checked against its dtype and shape (symbolic dimensions agree
+    across inputs and stay within their exported ranges)."""
+    _check_list(inputs, f"Method '{name}' takes its inputs", "execute([x, ...])")
+    if len(inputs) != len(meta.inputs):
+        raise ExecutionError(f"Method '{name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
+    symbols: dict[str, int] = {}
+    arrays = []
+    for i, (value, tmeta) in enumerate(zip(inputs, meta.inputs)):
+        what = f"Input {i} of method '{name}'"
+        array = as_array(value, what)
+        _check_tensor(array, tmeta, symbols, what, definition.symbols)
+        arrays.append(array)
+    return arrays
+
+
+def _unplanned(name: str, index: int) -> str:
+    return (f"Output {index} of method '{name}' is not memory planned (exported with "
+            "memory_planned_outputs=False); pass its storage with outputs=[...].")
+
+
+def output_storage(name: str, definition: MethodDef, meta: MethodMeta,
+                   outputs: Sequence[Any] | None) -> dict[int, np.ndarray]:
+    """The caller's output storage of method `name` by value id, checked: writable arrays of each output's dtype
+    and shape. Outputs that are not memory planned must be given."""
+    if outputs is None:
+        unplanned = next((i for i, o in enumerate(meta.outputs) if not o.memory_planned), None)
+        if unplanned is not None:
+            raise ExecutionError(_unplanned(name, unplanned))
+        return {}
+    _check_list(outputs, f"Method '{name}' takes output storage", "outputs=[y, ...], None for any the runtime "
+                "allocates")
+    if len(outputs) != len(meta.outputs):
+        raise ExecutionError(
+            f"Method '{name}' has {len(meta.outputs)} outputs; outputs= gave {len(outputs)} (use None for "
+            "outputs the runtime should allocate)."
+        )
+    storage: dict[int, np.ndarray] = {}
+    for i, (out, vid, tmeta) in enumerate(zip(outputs, definition.outputs, meta.outputs)):
+        if out is None:
+            if not tmeta.memory_planned:
+                raise ExecutionError(_unplanned(name, i))
+            continue
+        what = f"Output {i} of method '{name}'"
+        if not isinstance(out, np.ndarray) and not hasattr(out, "__dlpack__"):
+            # np.asarray would make a new array: the results would be written there and lost.
+            raise ExecutionError(f"{what} must be an array to write into (numpy, or a DLPack tensor on the "
+                                 f"host), got {type(out).__name__}.")
+        array = as_array(out, what)
+        if not array.flags.writeable:
+            raise ExecutionError(f"{what} is read-only; pass writable storage.")
+        _check_tensor(array, tmeta, {}, what)
+        if vid in storage:  # one value returned twice: the second copy is made at the end
+            continue
+        storage[vid] = array
+    return storage
+
+
+def check_bounds(name: str, bounds: dict[int, tuple[int, int]], inputs: Sequence[np.ndarray]) -> None:
+    """Inputs that index into the engine's memory (a cache position, a token id) within the values `bounds`
+    (input index -> [low, high]) the method was exported for: the engine does not check indices."""
+    for index, (low, high) in bounds.items():
+        array = inputs[index]
+        if array.size == 1:  # a decode step's position: item() is a tenth of min() + max()
+            lowest = highest = int(array.item())
+        elif array.size == 0:
+            continue
+        else:
+            lowest, highest = int(array.min()), int(array.max())
+        if lowest < low or highest > high:
+            bad = highest if highest > high else lowest
+            raise ExecutionError(
+                f"Input {index} of method '{name}' holds {bad}, outside "
+                f"[{low}, {high}], the values it was exported for: the engine does not check indices, so a cache "
+                "position past max_cache_len or a token id past the vocabulary is refused here. Start a new state "
+                "(state.reset()), or export with a larger max_cache_len."
+            )
