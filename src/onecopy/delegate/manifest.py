@@ -69,6 +69,11 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     # Program states the module holds (every function of a module sees the same list).
     states: list[StateEntry] = []
 
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as a program header stores it (`DelegateDef.manifest`, read back by `parse_manifest`):
+        fields at their default are left out, so a program file names only what its delegate uses."""
+        return msgspec.to_builtins(self)
+
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
     """Validate a manifest read from a program. Every problem is a `DelegateError` naming `where` and the field."""
