@@ -27,9 +27,10 @@ import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
+__all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
+BACKEND = "IreeBackend"  # the backend that reads these manifests: `DelegateDef.backend`
 MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
 PORTABLE = "portable"  # the bundle key of an `mlir` delegate

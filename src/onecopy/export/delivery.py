@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from onecopy.delegate.manifest import MANIFEST_VERSION, PORTABLE, Manifest
+from onecopy.delegate.manifest import BACKEND, MANIFEST_VERSION, PORTABLE, Manifest
 from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.lowering import LoweredBundle
 from onecopy.export.method_plan import DelegatePartition
@@ -12,9 +12,7 @@ from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.state import ProgramStates, held_states
 from onecopy.program import DelegateDef, MethodDef, NamedDataStore, ProgramDef, ProgramFile
 
-__all__ = ["BACKEND", "deliver", "assemble"]
-
-BACKEND = "IreeBackend"
+__all__ = ["deliver", "assemble"]
 
 
 def deliver(
