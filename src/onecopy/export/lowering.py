@@ -126,11 +126,24 @@ def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         if states:
             stage_helpers(fxb, list(states))
         exported = aot.export(fxb)
+        module = exported.mlir_module.operation
+        _strip_locations(module)
         buffer = io.BytesIO()
-        exported.mlir_module.operation.write_bytecode(buffer)
+        module.write_bytecode(buffer)
     except Exception as e:
         raise ExportError(f"iree-turbine could not import {where}: {e}") from e
     return buffer.getvalue()
+
+
+def _strip_locations(module) -> None:
+    """Drop the module's source locations. They name the Python code torch.fx generates for each graph
+    (`<eval_with_key>.N`, N counting the graphs made so far in the process), not the model's source, so two exports
+    of one model would differ in them alone, and so would their export hash, the identity under which the
+    specialization cache stores a compiled module. (Export errors name the model's line from torch's own stack
+    traces, see onecopy.export.culprits.)"""
+    from iree.compiler.passmanager import PassManager
+
+    PassManager.parse("builtin.module(strip-debuginfo)", context=module.context).run(module)
 
 
 def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Tensor], spec: CompileSpec,
