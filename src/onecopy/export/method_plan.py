@@ -30,6 +30,9 @@ _WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSO
 
 @dataclass
 class DelegatePartition:
+    """A partition the engine takes, planned: the graph lowering stages as one engine function, and the names its
+    delegate's manifest gives the function's arguments and results."""
+
     method: str
     index: int  # partition index within the method
     delegate: int  # delegate index within the program
