@@ -6,7 +6,7 @@ import pytest
 
 from onecopy.cli import main
 from onecopy.delegate.targets import host_cpu_target
-from tests.conftest import eager
+from tests.conftest import eager, with_manifest
 
 
 def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
@@ -110,3 +110,11 @@ def test_verify_prints_one_line_per_problem_and_exits_1(small_program, tmp_path,
 def test_verify_of_a_missing_file_is_an_error_exit_2(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "missing.onecopy")]) == 2
     assert capsys.readouterr().err == f"onecopy verify: error: Program file '{tmp_path / 'missing.onecopy'}' does not exist.\n"
+
+
+def test_inspect_of_a_bad_manifest_names_the_delegate_and_the_field(small_program, tmp_path, capsys):
+    path = tmp_path / "bad.onecopy"
+    path.write_bytes(with_manifest(small_program, 0, function=3))
+    assert main(["inspect", str(path)]) == 2
+    assert (f"onecopy inspect: error: Program '{path}', delegate 0 (IreeBackend): invalid manifest: Expected `str`, "
+            "got `int` - at `$.function`. Re-export the program.") in capsys.readouterr().err

@@ -13,6 +13,7 @@ from typing import Any
 
 from onecopy.delegate.cache_entry import META, CacheLayout
 from onecopy.delegate.cache_key import default_cache_dir
+from onecopy.delegate.manifest import BACKEND, parse_manifest
 from onecopy.program import DelegateCall, HostOp, LoadedProgramFile
 
 __all__ = ["BundleSummary", "ProgramSummary", "SpecializationSummary", "describe_tuning", "specializations",
@@ -45,22 +46,20 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
     sizes = {s.key: s.length for s in definition.segments}
     bundles: dict[str, BundleSummary] = {}
     for index, delegate in enumerate(definition.delegates):
-        manifest = delegate.manifest
-        export_hash = str(manifest.get("export_hash", f"delegate-{index}"))
-        bundle = bundles.get(export_hash)
+        if delegate.backend != BACKEND:
+            continue  # another backend's manifest follows its own schema
+        manifest = parse_manifest(delegate.manifest, f"Program '{loaded.source}', delegate {index} ({delegate.backend})")
+        bundle = bundles.get(manifest.export_hash)
         if bundle is None:
-            keys = manifest.get("bundle", {}) if isinstance(manifest.get("bundle"), dict) else {}
-            params = manifest.get("parameters", {}) if isinstance(manifest.get("parameters"), dict) else {}
-            encoders = manifest.get("encoders", {}) if isinstance(manifest.get("encoders"), dict) else {}
             bundle = BundleSummary(
-                export_hash,
-                str(manifest.get("packaging")),
-                {key: sizes.get(key, 0) for key in keys.values()},
-                parameters={name: sizes.get(key, 0) for name, key in params.items()},
-                encoder_bytes={target: sizes.get(key, 0) for target, key in encoders.items()},
+                manifest.export_hash,
+                manifest.packaging,
+                {key: sizes.get(key, 0) for key in manifest.bundle.values()},
+                parameters={name: sizes.get(key, 0) for name, key in manifest.parameters.items()},
+                encoder_bytes={target: sizes.get(key, 0) for target, key in manifest.encoders.items()},
             )
-            bundles[export_hash] = bundle
-        bundle.functions.append(str(manifest.get("function")))
+            bundles[manifest.export_hash] = bundle
+        bundle.functions.append(manifest.function)
         bundle.delegates.append(index)
     kinds: dict[str, dict[str, int]] = {}  # kind -> content hash -> bytes: each distinct blob counted once
     for segment in definition.segments:

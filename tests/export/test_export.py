@@ -7,7 +7,7 @@ from onecopy.errors import ExportError, InvalidArgument, UnsupportedOperator
 from onecopy.export import CompileSpec, Partitioner, export_program
 from onecopy.program import read_program
 from onecopy.runtime import register_host_kernel
-from tests.conftest import PACKAGINGS, AttentionBlock, TwoInTwoOut, eager
+from tests.conftest import PACKAGINGS, AttentionBlock, TwoInTwoOut, accumulator_methods, eager
 
 
 def run_all(program_bytes_or_path, inputs_by_method):
@@ -206,3 +206,24 @@ def test_partitioner_errors(small_methods):
         export_program(small_methods, compile_spec={"forward": CompileSpec(), "prefill": "vmfb"})
     with pytest.raises(InvalidArgument, match=r"partitioner names methods \['forward'\], but the program's methods are \['forward', 'prefill'\]"):
         export_program(small_methods, partitioner={"forward": Partitioner()})
+
+
+def test_two_exports_of_one_model_have_the_same_export_hash(accumulator):
+    # A re-export must find the specialization cache's entry for the same model: the hash is its identity.
+    def hashes():
+        program = export_program(accumulator_methods(accumulator), partitioner=Partitioner(multifunction=True),
+                                 compile_spec=CompileSpec(packaging="mlir", check_compiles=False))
+        return [d.manifest["export_hash"] for d in program.definition.delegates]
+
+    assert hashes() == hashes()
+
+
+def test_two_exports_of_one_graph_broken_model_store_the_same_bundles(small_methods):
+    def bundles():
+        program = export_program(small_methods, partitioner=Partitioner(skip_ops=("aten.relu.default",)),
+                                 compile_spec=CompileSpec(packaging="mlir", check_compiles=False))
+        data = dict(program.data.items())
+        return [bytes(data[d.manifest["bundle"]["portable"]].data) for d in program.definition.delegates]
+
+    first = bundles()
+    assert len(first) == 6 and first == bundles()

@@ -8,7 +8,7 @@ import torch
 from onecopy import Runtime
 from onecopy.errors import InvalidArgument
 from onecopy.export import CompileSpec, export_program
-from onecopy.export.rewrites import REWRITES, rewrite_depthwise_nhwc
+from onecopy.export.rewrites import REWRITES, apply_rewrites, rewrite_depthwise_nhwc
 from onecopy.models.vision import mobilenet_v3_small
 
 aten = torch.ops.aten
@@ -95,6 +95,18 @@ def test_a_network_without_depthwise_convs_is_left_as_it_is():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 1)).eval()
     ep, changed = rewritten(model, torch.randn(1, 3, 16, 16))
     assert not changed and not image_transposes(ep)
+
+
+@pytest.mark.parametrize("skip", ["aten.convolution.default", "aten._native_batch_norm_legit_no_training.default"])
+def test_a_method_that_leaves_a_replaced_op_on_the_host_is_not_rewritten(skip):
+    """skip_ops asks for those ops on the host: the rewrite would replace them and leave nothing to skip."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.BatchNorm2d(8)).eval()
+    x = torch.randn(1, 8, 12, 12)
+    methods = {name: torch.export.export(model, (x,)).run_decompositions() for name in ("kept", "rewritten")}
+    apply_rewrites(methods, {"kept": ("depthwise_nhwc",), "rewritten": ("depthwise_nhwc",)}, {"kept": (skip,)})
+    assert aten.convolution.default in targets(methods["kept"])
+    assert aten.convolution.default not in targets(methods["rewritten"])
 
 
 def test_a_dynamic_batch_is_left_as_it_is():

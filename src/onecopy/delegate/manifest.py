@@ -27,9 +27,10 @@ import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
+__all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
+BACKEND = "IreeBackend"  # the backend that reads these manifests: `DelegateDef.backend`
 MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
 PORTABLE = "portable"  # the bundle key of an `mlir` delegate
@@ -68,6 +69,11 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     encoders: dict[str, str] = {}
     # Program states the module holds (every function of a module sees the same list).
     states: list[StateEntry] = []
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as a program header stores it (`DelegateDef.manifest`, read back by `parse_manifest`):
+        fields at their default are left out, so a program file names only what its delegate uses."""
+        return msgspec.to_builtins(self)
 
 
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:

@@ -12,6 +12,7 @@ same target, travels beside it so a loader packs the weights once per machine in
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -126,10 +127,25 @@ def stage(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         if states:
             stage_helpers(fxb, list(states))
         exported = aot.export(fxb)
-        buffer = io.BytesIO()
-        exported.mlir_module.operation.write_bytecode(buffer)
     except Exception as e:
         raise ExportError(f"iree-turbine could not import {where}: {e}") from e
+    return _with_stable_locations(exported.mlir_module.operation)
+
+
+_FX_CODE = re.compile(r'"<eval_with_key>\.\d+"')
+
+
+def _with_stable_locations(module) -> bytes:
+    """The module's bytecode, its locations naming the code torch.fx generates for a graph without the counter
+    in that name (`<eval_with_key>.N`, N counting the graphs made so far in the process): otherwise two exports of
+    one model differ in it alone, and so does their export hash, the identity under which the specialization
+    cache stores a compiled module. The locations themselves stay: without any, iree-compile's output for one
+    module differs from one compile to the next."""
+    from iree.compiler import ir
+
+    text = _FX_CODE.sub('"<eval_with_key>"', module.get_asm(enable_debug_info=True))
+    buffer = io.BytesIO()
+    ir.Module.parse(text, module.context).operation.write_bytecode(buffer)
     return buffer.getvalue()
 
 

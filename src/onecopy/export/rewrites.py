@@ -14,15 +14,18 @@ and leaves shapes it cannot prove static alone.
 
 from __future__ import annotations
 
+import logging
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-__all__ = ["REWRITES", "DEFAULT_REWRITES", "apply_rewrites", "rewrite_depthwise_nhwc"]
+__all__ = ["REWRITES", "DEFAULT_REWRITES", "REPLACED_OPS", "apply_rewrites", "rewrite_depthwise_nhwc"]
+
+log = logging.getLogger("onecopy")
 
 aten = torch.ops.aten
 
@@ -231,10 +234,23 @@ def rewrite_depthwise_nhwc(gm: fx.GraphModule) -> bool:
 
 REWRITES: Mapping[str, Callable[[fx.GraphModule], bool]] = {"depthwise_nhwc": rewrite_depthwise_nhwc}
 DEFAULT_REWRITES: tuple[str, ...] = ("depthwise_nhwc",)
+# The ops each rewrite replaces by others. A method whose Partitioner leaves one of them on the host (`skip_ops`)
+# is not rewritten: the user asked for that op, and after the rewrite it would no longer be there to skip.
+REPLACED_OPS: Mapping[str, frozenset[str]] = {
+    "depthwise_nhwc": frozenset({"aten.convolution.default", "aten._native_batch_norm_legit_no_training.default"}),
+}
 
 
-def apply_rewrites(methods: Mapping[str, Any], rewrites: Mapping[str, Sequence[str]]) -> None:
-    """Apply each method's rewrites (method name -> rewrite names, in order) to its decomposed program, in place."""
+def apply_rewrites(methods: Mapping[str, Any], rewrites: Mapping[str, Sequence[str]],
+                   skip_ops: Mapping[str, Collection[str]] | None = None) -> None:
+    """Apply each method's rewrites (method name -> rewrite names, in order) to its decomposed program, in place,
+    except those that replace an op the method's `skip_ops` (method name -> op names) leaves on the host."""
     for name, ep in methods.items():
+        skipped = set((skip_ops or {}).get(name, ()))
         for rewrite in rewrites.get(name, ()):
+            kept = skipped & REPLACED_OPS.get(rewrite, frozenset())
+            if kept:
+                log.info("method '%s': rewrite %s not applied: skip_ops leaves %s on the host", name, rewrite,
+                         ", ".join(sorted(kept)))
+                continue
             REWRITES[rewrite](ep.graph_module)

@@ -18,19 +18,20 @@ over the one loaded module. What is measured and relied on here (see DESIGN.md, 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from onecopy.delegate.manifest import StateEntry
 from onecopy.errors import ExportError
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
 
-__all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "register_states", "stage_helpers", "state_groups"]
+__all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "held_states", "register_states", "stage_helpers", "state_groups"]
 
 STATE_PREFIX = "onecopy_state_"
 
@@ -53,12 +54,10 @@ class StateBinding:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
 
-    def manifest(self) -> dict:
-        entry = {"name": self.name, "parameter": self.parameter, "shape": list(self.shape),
-                 "dtype": str(self.dtype).removeprefix("torch."), "nbytes": self.nbytes}
-        if self.initial is not None:
-            entry["initial"] = self.initial
-        return entry
+    def manifest(self) -> StateEntry:
+        """The state as its delegate's manifest names it."""
+        return StateEntry(name=self.name, parameter=self.parameter, shape=list(self.shape),
+                          dtype=str(self.dtype).removeprefix("torch."), nbytes=self.nbytes, initial=self.initial)
 
 
 @dataclass
@@ -153,7 +152,8 @@ def register_states(root: torch.nn.Module, states: list[StateBinding]) -> None:
 def stage_helpers(fxb, states: list[StateBinding]) -> None:
     """Export the module's state functions: `onecopy_read_states` (every state, cloned, in `states` order),
     `onecopy_write_states(*values)` and `onecopy_reset_states`. Three functions whatever the number of states:
-    each staged function is a torch.export of its own (~0.5 s), and a 32-layer model has ~100 states."""
+    each staged function is a torch.export of its own, the slowest step of an export, and an LLM has a state
+    per layer (or two)."""
 
     def read(module):
         return tuple(getattr(module, state.parameter).clone() for state in states)
@@ -220,9 +220,9 @@ def state_groups(partitions: list[Any], specs: Mapping[str, Any]) -> list[list[t
 
 def guard_index_writes(graph: fx.Graph) -> int:
     """Wrap the indices of every `index_put` into range (`remainder` by the indexed dimension's size) and return
-    how many it wrapped. IREE does not check them: a cache position past the end wrote past the cache's
-    allocation and corrupted the heap (glibc aborted the process at its next free). Wrapped, a bad position
-    overwrites a cache row instead, which `MethodDef.input_bounds` (onecopy.llm) refuses with an error first."""
+    how many it wrapped. IREE does not check them: a cache position past the end would write past the cache's
+    allocation and corrupt the process's heap. Wrapped, a bad position overwrites a cache row instead, which
+    `MethodDef.input_bounds` (onecopy.llm) refuses with an error first."""
     wrapped = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _INDEX_PUTS:
@@ -245,3 +245,9 @@ def guard_index_writes(graph: fx.Graph) -> int:
 
 
 _INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+
+def held_states(group: list[tuple[Any, str]]) -> list[StateBinding]:
+    """The states a module holds as globals: every one a function of its `group` ((delegate partition,
+    function) pairs) reads or stores, once."""
+    return list({s.parameter: s for p, _ in group for s in p.states}.values())
