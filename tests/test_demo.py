@@ -242,6 +242,14 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")[:200]
+    except OSError:
+        return "(gone)"
+
+
 @pytest.mark.slow
 def test_ctrl_c_kills_the_children_and_removes_the_temporaries(tmp_path):
     tmp = tmp_path / "tmp"
@@ -253,12 +261,13 @@ def test_ctrl_c_kills_the_children_and_removes_the_temporaries(tmp_path):
             children = _children(process.pid)  # the first fresh process: the cold load
             time.sleep(0.05)
         assert children, "the demo started no child process"
+        first = {c: _command(c) for c in children}
         process.send_signal(signal.SIGINT)  # to the demo alone: it must end its children itself
-        process.communicate(timeout=60)
+        _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode != 0
+    assert process.returncode != 0, f"the demo went on after Ctrl-C (its children then: {first}): {err[-3000:]}"
     assert all(not Path(f"/proc/{c}").exists() for c in children)
     assert list(tmp.iterdir()) == []
     assert _leftover_surfaces(process.pid) == []
