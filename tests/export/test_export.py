@@ -181,7 +181,7 @@ def test_bad_methods_are_refused(methods, message):
         ({"compute_units": "npu"}, "unknown compute units 'npu'"),
         ({"packaging": "vmfb", "targets": ("sparc",)}, "unknown target\\(s\\) 'sparc'"),
         ({"packaging": "mlir", "targets": ("x86_64",)}, "targets apply to packaging='vmfb' only"),
-        ({"packaging": "vmfb", "targets": "x86_64"}, "targets is a tuple of names"),
+        ({"packaging": "vmfb", "targets": "x86_64"}, "targets is a tuple of target names"),
         ({"packaging": "vmfb", "targets": ("x86_64", "x86_64")}, "name a target twice"),
         ({"packaging": "vmfb", "compute_units": "gpu", "targets": ("x86_64",)}, "compute units 'gpu' but targets"),
     ],

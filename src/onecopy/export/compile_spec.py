@@ -41,28 +41,14 @@ class CompileSpec:
     def __post_init__(self) -> None:
         if type(self.check_compiles) is not bool:
             raise InvalidArgument(f"CompileSpec.check_compiles expects bool, got {type(self.check_compiles).__name__}.")
-        if isinstance(self.rewrites, str):
-            raise InvalidArgument(f"CompileSpec.rewrites is a tuple of rewrite names; write rewrites=('{self.rewrites}',).")
-        object.__setattr__(self, "rewrites", tuple(self.rewrites))
-        unknown_rewrites = [r for r in self.rewrites if r not in REWRITES]
-        if unknown_rewrites:
-            raise InvalidArgument(
-                f"CompileSpec: unknown rewrite(s) {', '.join(map(repr, unknown_rewrites))}; known: {', '.join(REWRITES)}."
-            )
+        object.__setattr__(self, "rewrites", _names("rewrites", "rewrite", self.rewrites, REWRITES))
         if self.packaging not in PACKAGINGS:
             raise InvalidArgument(f"Unsupported packaging '{self.packaging}'; expected mlir or vmfb.")
         if self.compute_units not in COMPUTE_UNITS:
             raise InvalidArgument(
                 f"CompileSpec: unknown compute units '{self.compute_units}'; expected one of {', '.join(COMPUTE_UNITS)}."
             )
-        if isinstance(self.targets, str):
-            raise InvalidArgument(f"CompileSpec.targets is a tuple of names; write targets=('{self.targets}',).")
-        object.__setattr__(self, "targets", tuple(self.targets))
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown:
-            raise InvalidArgument(
-                f"CompileSpec: unknown target(s) {', '.join(map(repr, unknown))}; known: {', '.join(TARGETS)}."
-            )
+        object.__setattr__(self, "targets", _names("targets", "target", self.targets, TARGETS))
         if self.packaging == "mlir" and self.targets:
             raise InvalidArgument(
                 "CompileSpec: targets apply to packaging='vmfb' only; an mlir program is compiled on the device."
@@ -78,3 +64,16 @@ class CompileSpec:
                     f"CompileSpec: compute units '{self.compute_units}' but targets {self.targets} run on "
                     f"{', '.join(sorted(units))}; add a matching target or use compute_units='all'."
                 )
+
+
+def _names(field: str, kind: str, value, known) -> tuple[str, ...]:
+    """A CompileSpec field that lists names from a registry: a tuple (a bare string is the usual slip), each known."""
+    if isinstance(value, str):
+        raise InvalidArgument(f"CompileSpec.{field} is a tuple of {kind} names; write {field}=('{value}',).")
+    names = tuple(value)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InvalidArgument(
+            f"CompileSpec: unknown {kind}(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}."
+        )
+    return names
