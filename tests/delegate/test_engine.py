@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from onecopy.delegate.engine import physical_cores, task_executor_flags
+from onecopy.delegate.cpus import worker_count
+from onecopy.delegate.engine import task_executor_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +64,7 @@ def test_the_cpu_device_reserves_little_private_memory_unless_the_user_asks_for_
 def test_the_cpu_device_runs_one_unpinned_worker_per_physical_core():
     # Pinned workers stalled a scheduler tick whenever the calling thread held their core (see engine.py).
     seen = run_probe(WORKERS_PROBE, None)
-    assert len(seen["workers"]) == physical_cores()
+    assert len(seen["workers"]) == worker_count()
     assert all(cpus == seen["process"] for cpus in seen["workers"].values()), seen
 
 
@@ -73,4 +74,4 @@ def test_a_users_topology_flags_decide_the_workers():
     assert task_executor_flags("--task_topology_mode=physical_cores") == [
         f"--task_worker_local_memory={64 * 1024}"]
     assert task_executor_flags("--task_worker_local_memory=1") == [
-        f"--task_topology_group_count={physical_cores()}"]
+        f"--task_topology_group_count={worker_count()}"]

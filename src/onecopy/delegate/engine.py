@@ -19,9 +19,8 @@ import numpy as np
 
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
+from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.manifest import PARAMETER_SCOPE
-
-ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
@@ -32,6 +31,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("onecopy")
+
+ENCODED_SCOPE = "encoded"  # parameters encoded (packed) for this machine at specialization
 
 _lock = threading.Lock()
 _instance: Any = None
@@ -81,20 +82,6 @@ def vm_instance() -> Any:
 TASK_WORKER_LOCAL_MEMORY = 64 * 1024
 
 
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on: the worker count IREE itself would pick."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cores = set()
-    for cpu in cpus:
-        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
-        try:
-            with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
-                cores.add((package.read().strip(), core.read().strip()))
-        except OSError:
-            cores.add(("cpu", str(cpu)))  # no topology in sysfs (containers, some VMs): count the CPU itself
-    return max(len(cores), 1)
-
-
 def task_executor_flags(user_flags: str) -> list[str]:
     """The flags onecopy gives IREE's task executor, unless the user's IREE_PY_RUNTIME_FLAGS set their own.
 
@@ -102,13 +89,14 @@ def task_executor_flags(user_flags: str) -> list[str]:
     calling thread shares those cores. Measured on 2 cores: a pinned worker whose core the caller (or anything
     else) holds waits a scheduler tick, so 15-25% of calls took 3-4 ms instead of 1.5 (builtin prefill: mean
     2.1-2.3 ms pinned, 1.5-1.7 ms unpinned; forward: 1.19-1.34 vs 0.94-1.02; benchmarks/latency.py had the same
-    tails). The worker count stays IREE's own choice, one per physical core.
+    tails). One worker per physical core the process may run on, no more than its cgroup CPU quota
+    (`onecopy.delegate.cpus`).
     """
     flags = []
     if "--task_worker_local_memory" not in user_flags:
         flags.append(f"--task_worker_local_memory={TASK_WORKER_LOCAL_MEMORY}")
     if "--task_topology" not in user_flags:
-        flags.append(f"--task_topology_group_count={physical_cores()}")
+        flags.append(f"--task_topology_group_count={worker_count()}")
     return flags
 
 
