@@ -24,6 +24,7 @@ from onecopy.errors import (
     RequestTooLarge,
     SessionNotFound,
 )
+from onecopy.delegate.manifest import BACKEND as IREE_BACKEND, parse_manifest
 from onecopy.runtime import Runtime
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
 from onecopy.serve.batching import batch_dim_range, batch_refusal, group_requests, split_outputs
@@ -68,7 +69,10 @@ def backend_options_for(program: Any, given: Mapping[str, Mapping[str, Any]] | N
     """The caller's backend options, with the shared loaded model on for a multifunction program: all replicas
     of a node (and all delegates of a replica) then use one loaded module and one mapping of the weights."""
     options = {name: dict(values) for name, values in (given or {}).items()}
-    multifunction = any(bool(d.manifest.get("multifunction")) for d in program.definition.delegates)
+    multifunction = any(
+        d.backend == IREE_BACKEND and parse_manifest(d.manifest, f"Program '{program.source}', delegate {i}").multifunction
+        for i, d in enumerate(program.definition.delegates)
+    )
     if multifunction:
         options.setdefault("IreeBackend", {}).setdefault("share_multifunction_model", True)
     return options
