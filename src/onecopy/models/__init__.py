@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["builtin_model", "builtin_methods", "attention_block", "tiny_llama"]
+__all__ = ["builtin_model", "builtin_methods", "attention_block", "transformer_encoder", "tiny_llama"]
 
 WIDTH = 1024
 LAYERS = 8
@@ -68,6 +68,16 @@ def attention_block(dim: int = 64, heads: int = 4, seed: int = 0):
 
     torch.manual_seed(seed)
     return AttentionBlock().eval()
+
+
+def transformer_encoder(dim: int = 256, heads: int = 4, layers: int = 4, seed: int = 0):
+    """torch's own `nn.TransformerEncoder` (post-norm layers, ReLU MLP of 4 x dim, no dropout), in eval mode: the
+    small encoder `benchmarks/latency.py` measures at sequence length 128 (4 layers, d=256, 4 heads)."""
+    torch = _torch()
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+    # enable_nested_tensor=False: the nested-tensor fast path is for padded batches, which a fixed shape is not.
+    return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval()
 
 
 def tiny_llama(max_positions: int = 256, seed: int = 0):
