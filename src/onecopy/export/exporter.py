@@ -5,6 +5,8 @@
        their first load will (`compile_check`: an op IREE cannot compile goes to a host kernel, and the method is
        planned again, or fails the export naming it) -> deliver into the named data store with a manifest per
        delegate (`delivery`)
+    -> with CompileSpec(delegates=("iree", "openvino")), an OpenVINO IR of each method IREE runs whole, over the
+       same weights store (`openvino`)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.delivery import assemble
 from onecopy.export.lowering import CompileFailed, LoweredBundle
 from onecopy.export.method_plan import DelegatePartition, plan_method
+from onecopy.export.openvino import add_openvino_alternatives
 from onecopy.export.parameters import ParameterTable
 from onecopy.export.partitioner import Partitioner
 from onecopy.export.rewrites import apply_rewrites
@@ -167,4 +170,7 @@ def export_program(
         else:
             break
 
-    return assemble(method_defs, partitions, groups, bundles, specs, table, states, multifunction=multifunction)
+    program = assemble(method_defs, partitions, groups, bundles, specs, table, states, multifunction=multifunction)
+    if any("openvino" in spec.delegates for spec in specs.values()):
+        program = add_openvino_alternatives(program, methods, specs)
+    return program

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
+
+if TYPE_CHECKING:
+    from onecopy.runtime.selection import Choice
 
 __all__ = ["TensorMeta", "DelegateMeta", "MethodMeta"]
 
@@ -48,6 +52,10 @@ class MethodMeta:
     instructions: tuple[str, ...]  # "delegate_call 0", "host_op aten.relu.default"
     delegates: tuple[DelegateMeta, ...]
     states: tuple[str, ...] = ()  # program states the method reads and updates in place (a KV cache)
+    # Delegates that can run the whole method instead (an OpenVINO delegate); `load_program(prefer=...)` picks.
+    alternatives: tuple[DelegateMeta, ...] = ()
+    # What prefer="latency" chose for this loaded method (backend, timings, memory); None: its instructions run.
+    choice: "Choice | None" = None
 
     @property
     def stateful(self) -> bool:
@@ -61,15 +69,7 @@ class MethodMeta:
         for ins in method.instructions:
             if isinstance(ins, DelegateCall):
                 instructions.append(f"delegate_call {ins.delegate}")
-                manifest = program.delegates[ins.delegate].manifest
-                delegates.append(
-                    DelegateMeta(
-                        ins.delegate,
-                        program.delegates[ins.delegate].backend,
-                        str(manifest.get("function", "")),
-                        str(manifest.get("packaging", "")),
-                    )
-                )
+                delegates.append(_delegate_meta(ins.delegate, program))
             elif isinstance(ins, HostOp):
                 instructions.append(f"host_op {ins.op}")
         return cls(
@@ -79,4 +79,11 @@ class MethodMeta:
             tuple(instructions),
             tuple(delegates),
             tuple(method.states),
+            tuple(_delegate_meta(i, program) for i in method.alternatives),
         )
+
+
+def _delegate_meta(index: int, program: ProgramDef) -> DelegateMeta:
+    delegate = program.delegates[index]
+    return DelegateMeta(index, delegate.backend, str(delegate.manifest.get("function", "")),
+                        str(delegate.manifest.get("packaging", "")))
