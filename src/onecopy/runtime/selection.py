@@ -95,10 +95,12 @@ def read_choice(directory: Path, key: str) -> Choice | None:
         return None
 
 
-def write_choice(directory: Path, key: str, choice: Choice, method: str, program: str) -> None:
-    """Write atomically (a temporary file renamed): a reader sees the whole record or none."""
+def write_choice(directory: Path, key: str, choice: Choice, method: str, program: str,
+                 export_hashes: Sequence[str] = ()) -> None:
+    """Write atomically (a temporary file renamed): a reader sees the whole record or none. `method`, `program`
+    and `export_hashes` (of the delegates compared) let `onecopy inspect` find the record of a program."""
     directory.mkdir(parents=True, exist_ok=True)
-    record = {**asdict(choice), "method": method, "program": program}
+    record = {**asdict(choice), "method": method, "program": program, "export_hashes": list(export_hashes)}
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".choice-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -224,7 +226,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
             for handle in handles.values():
                 handle.destroy()
     if not cache_disabled():
-        write_choice(directory, key, choice, name, source)
+        write_choice(directory, key, choice, name, source, hashes)
     log.info("method %s: prefer=latency: %s (%s%s; choice %s recorded)", name, choice.backend,
              _describe(latency), f"; {note}" if note else "", key[:12])
     method, handles = loaded[best]
