@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
 
-if TYPE_CHECKING:
-    from onecopy.runtime.selection import Choice
-
-__all__ = ["TensorMeta", "DelegateMeta", "MethodMeta"]
+__all__ = ["TensorMeta", "DelegateMeta", "Choice", "MethodMeta"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +41,20 @@ class DelegateMeta:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What `load_program(prefer="latency")` chose for a method (onecopy.runtime.selection): the backend that runs
+    it and what each candidate measured on this machine."""
+
+    backend: str
+    delegate: int  # index into the program's delegates of the one that runs the method whole; -1: its instructions
+    latency_ms: dict[str, float]  # backend -> median latency on the method's shapes
+    # backend -> {"rss": growth, "pss": growth} in MiB of its load and first call, as measured in this process
+    # (a first use in the process includes what the engine's library itself loads)
+    memory_mb: dict[str, dict[str, float]]
+    note: str = ""  # why a candidate was not kept (its outputs differed)
+
+
+@dataclass(frozen=True)
 class MethodMeta:
     name: str
     inputs: tuple[TensorMeta, ...]
@@ -55,7 +65,7 @@ class MethodMeta:
     # Delegates that can run the whole method instead (an OpenVINO delegate); `load_program(prefer=...)` picks.
     alternatives: tuple[DelegateMeta, ...] = ()
     # What prefer="latency" chose for this loaded method (backend, timings, memory); None: its instructions run.
-    choice: "Choice | None" = None
+    choice: Choice | None = None
 
     @property
     def stateful(self) -> bool:

@@ -20,7 +20,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 from onecopy.errors import ProgramFormatError
 from onecopy.program import DelegateCall, MethodDef, ProgramDef
 from onecopy.runtime.backend import DelegateHandle, get_backend
-from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+from onecopy.runtime.method_meta import Choice, MethodMeta, TensorMeta
 
 __all__ = ["PREFERENCES", "Choice", "choice_key", "read_choice", "write_choice", "time_delegates", "memory_mb",
            "choices_dir", "selections_timed", "choose_and_load"]
@@ -44,17 +44,6 @@ _timed = 0  # selections that timed delegates in this process (a cache hit times
 
 def selections_timed() -> int:
     return _timed
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What prefer="latency" chose for a method: the backend that runs it and what each candidate measured."""
-
-    backend: str
-    delegate: int  # index into the program's delegates of the one that runs the method whole; -1: its instructions
-    latency_ms: dict[str, float]  # backend -> median latency on the method's shapes (absent: not timed)
-    memory_mb: dict[str, dict[str, float]]  # backend -> {"rss": growth, "pss": growth} of its load, in MiB
-    note: str = ""
 
 
 def choices_dir(cache_dir: Path | None) -> Path:
