@@ -94,3 +94,9 @@ def test_a_stateful_method_gets_no_openvino_delegate_and_the_log_says_why(accumu
 def test_a_bad_delegates_list_is_refused_naming_the_fix(delegates, message):
     with pytest.raises(InvalidArgument, match=re.escape(message)):
         CompileSpec(delegates=delegates)
+
+
+def test_a_program_with_an_openvino_delegate_verifies_clean_without_loading_openvino(conv_programs):
+    from onecopy.runtime import verify_program
+
+    assert verify_program(conv_programs[1]) == []
