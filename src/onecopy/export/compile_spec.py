@@ -32,7 +32,9 @@ class CompileSpec:
             "depthwise_nhwc" (depthwise convolutions as channels-last multiply-adds). `rewrites=()` turns them off.
         delegates: which engines the program carries for each method: "iree" (always, first) and "openvino" (an
             alternative OpenVINO IR of each method that IREE runs whole, over the same weights store; needs
-            `pip install 'onecopy[openvino]'` at export, and at a load with `prefer="latency"`).
+            `pip install 'onecopy[openvino]'` at export, and at a load with `prefer="latency"`). With "openvino",
+            eval-mode batch norms are folded into their convolutions for both delegates, so both read one copy of
+            the same weights.
 
     Example:
         CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))

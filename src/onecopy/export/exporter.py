@@ -17,6 +17,7 @@ from typing import Any
 from torch.export import ExportedProgram
 
 from onecopy.errors import ExportError, InvalidArgument
+from onecopy.export.batch_norm_folding import fold_batch_norms
 from onecopy.export.compile_check import lower_checked, move_to_host
 from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.delivery import assemble
@@ -99,6 +100,11 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
+def _folds(spec: CompileSpec, partitioner: Partitioner) -> bool:
+    """Whether a method's batch norms are folded: it asks for OpenVINO and keeps no batch norm on the host."""
+    return "openvino" in spec.delegates and not any("batch_norm" in op for op in partitioner.skip_ops)
+
+
 def export_program(
     methods: Mapping[str, ExportedProgram],
     *,
@@ -135,6 +141,10 @@ def export_program(
     if type(memory_planned_outputs) is not bool:
         raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
 
+    # With an OpenVINO delegate, batch norms are folded into their convolutions first, for both delegates: the
+    # weights OpenVINO would fold by itself become the parameters IREE reads too (stored once).
+    methods = {name: fold_batch_norms(ep, name) if _folds(specs[name], partitioners[name]) else ep
+               for name, ep in methods.items()}
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
     decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
     apply_rewrites(decomposed, {name: spec.rewrites for name, spec in specs.items()},

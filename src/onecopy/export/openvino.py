@@ -5,7 +5,9 @@ A method gets one when IREE runs it whole: one delegate call taking the method's
 outputs, no host ops, no state, static shapes. `openvino.convert_model` converts its `torch.export` program; the
 IR's constants go into the named data store under the key of the parameter with the same bytes where there is one
 (see onecopy.delegate.openvino.ir), and OpenVINO's own constants (folded ones) as blobs of their own, counted in
-the manifest's `folded_bytes` and logged. The IR's xml is stored as code (`bundle/….openvino.xml`).
+the manifest's `folded_bytes` and logged. The IR's xml is stored as code (`bundle/….openvino.xml`). The program
+converted is the one IREE lowers, batch norms already folded (onecopy.export.batch_norm_folding), so OpenVINO has
+no weights of its own to compute.
 """
 
 from __future__ import annotations
