@@ -219,6 +219,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
     log.info("method %s: prefer=latency: %s (%s%s; choice %s recorded)", name, choice.backend,
              _describe(latency), f"; {note}" if note else "", key[:12])
     method, handles = loaded[best]
+    # The Method was made before its timings existed; what it shows is its meta, now with the choice.
     method._meta = dataclasses.replace(method.method_meta, choice=choice)
     return method, handles
 
