@@ -205,3 +205,49 @@ def stateful_program(request, accumulator, tmp_path_factory):
                              compile_spec=CompileSpec(packaging=packaging))
     path = program.save(tmp_path_factory.mktemp("stateful") / f"acc-{packaging}-{multifunction}.onecopy")
     return path, packaging, multifunction
+
+
+class SmallConvNet(torch.nn.Module):
+    """A conv + batch norm + classifier: OpenVINO folds the batch norm into the conv's weights at conversion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.fixture(scope="session")
+def conv_net():
+    torch.manual_seed(0)
+    net = SmallConvNet().eval()
+    with torch.no_grad():  # running statistics other than the defaults, so the folded weights differ from torch's
+        net.bn.running_mean.uniform_(-0.5, 0.5)
+        net.bn.running_var.uniform_(0.5, 2.0)
+    return net
+
+
+def _openvino_programs(methods: dict, tmp_path_factory, name: str):
+    """The same methods exported IREE only and with the OpenVINO alternative, saved: (iree_path, both_path)."""
+    folder = tmp_path_factory.mktemp(name)
+    iree = export_program(methods).save(folder / "iree.onecopy")
+    both = export_program(methods, compile_spec=CompileSpec(delegates=("iree", "openvino"))).save(folder / "both.onecopy")
+    return iree, both
+
+
+@pytest.fixture(scope="session")
+def conv_programs(conv_net, tmp_path_factory):
+    """(IREE-only path, IREE + OpenVINO path) of the conv net at 1x3x16x16."""
+    pytest.importorskip("openvino")
+    x = torch.randn(1, 3, 16, 16)
+    return _openvino_programs({"forward": torch.export.export(conv_net, (x,))}, tmp_path_factory, "conv")
+
+
+@pytest.fixture(scope="session")
+def mlp_programs(small_model, small_methods, tmp_path_factory):
+    """(IREE-only path, IREE + OpenVINO path) of the small built-in MLP's methods (forward and prefill)."""
+    pytest.importorskip("openvino")
+    return _openvino_programs(small_methods, tmp_path_factory, "mlp")

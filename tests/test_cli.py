@@ -20,6 +20,22 @@ def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
     assert "parameter encoders" not in out  # mlir: packed at specialization, no encoder in the program
 
 
+def test_inspect_shows_the_openvino_alternative_and_the_choice_recorded_here(conv_programs, tmp_path, capsys):
+    from onecopy import Runtime
+
+    path = str(conv_programs[1])
+    assert main(["inspect", path, "--cache-dir", str(tmp_path)]) == 0
+    before = capsys.readouterr().out
+    assert "alternative: delegate 1 OpenVinoBackend: IR" in before
+    assert "prefer=latency here: not measured yet" in before
+    with Runtime(cache_dir=tmp_path).load_program(path, prefer="latency") as program:
+        chosen = program.load_method("forward").method_meta.choice.backend
+    assert main(["inspect", path, "--cache-dir", str(tmp_path)]) == 0
+    after = capsys.readouterr().out
+    assert f"prefer=latency here: {chosen} (IreeBackend " in after
+    assert "OpenVinoBackend +" in after and "MiB PSS" in after
+
+
 def test_inspect_shows_the_parameter_encoder_of_each_vmfb_target(small_vmfb_program_path, capsys):
     assert main(["inspect", str(small_vmfb_program_path)]) == 0
     out = capsys.readouterr().out

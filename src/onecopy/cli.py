@@ -58,7 +58,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from onecopy.inspect import describe_tuning, specializations, summarize
+    from onecopy.inspect import describe_choice, describe_tuning, recorded_choices, specializations, summarize
     from onecopy.program import read_program
 
     loaded = read_program(args.file)
@@ -72,6 +72,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 print(f"    {ins}")
             if method.get("states"):
                 print(f"    state: {', '.join(method['states'])}")
+            for alt in method["alternatives"]:  # another engine that can run the method whole (prefer="latency")
+                print(f"    alternative: delegate {alt.delegate} {alt.backend}: IR {_mib(alt.model_bytes)}, constants "
+                      f"{_mib(alt.shared_bytes)} shared with IREE's parameters + {_mib(alt.own_bytes)} of its own")
+            if method["alternatives"]:
+                hashes = {*method["export_hashes"], *(a.export_hash for a in method["alternatives"])}
+                chosen = [r for r in recorded_choices(args.cache_dir)
+                          if r.get("method") == method["name"] and set(r.get("export_hashes", [])) <= hashes]
+                for record in chosen:
+                    print(f"    prefer=latency here: {describe_choice(record)}")
+                if not chosen:
+                    print("    prefer=latency here: not measured yet (the first such load times the delegates)")
         for state in summary.states:  # kept by the engine between calls, updated in place
             print(f"state {state}")
         specialized = specializations([b.export_hash for b in summary.bundles], args.cache_dir)

@@ -14,10 +14,12 @@ from typing import Any
 from onecopy.delegate.cache_entry import META, CacheLayout
 from onecopy.delegate.cache_key import default_cache_dir
 from onecopy.delegate.manifest import BACKEND, parse_manifest
+from onecopy.delegate.openvino.manifest import BACKEND as OPENVINO_BACKEND
+from onecopy.delegate.openvino.manifest import parse_manifest as parse_openvino_manifest
 from onecopy.program import DelegateCall, HostOp, LoadedProgramFile
 
-__all__ = ["BundleSummary", "ProgramSummary", "SpecializationSummary", "describe_tuning", "specializations",
-           "summarize"]
+__all__ = ["BundleSummary", "AlternativeSummary", "ProgramSummary", "SpecializationSummary", "describe_tuning",
+           "specializations", "summarize", "recorded_choices", "describe_choice"]
 
 
 @dataclass
@@ -29,6 +31,19 @@ class BundleSummary:
     encoder_bytes: dict[str, int] = field(default_factory=dict)  # target -> bytes of its parameter encoder (vmfb)
     parameters: dict[str, int] = field(default_factory=dict)  # parameter name -> bytes
     delegates: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AlternativeSummary:
+    """A delegate that can run a method whole instead of its instructions (OpenVINO): its IR's size, and its
+    constants' bytes shared with IREE's parameters vs its own (computed by OpenVINO, e.g. folded batch norms)."""
+
+    delegate: int
+    backend: str
+    export_hash: str
+    model_bytes: int
+    shared_bytes: int
+    own_bytes: int
 
 
 @dataclass
@@ -78,6 +93,9 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
                     if isinstance(i, (DelegateCall, HostOp))
                 ],
                 "states": list(method.states),
+                "alternatives": [_alternative(definition, i, sizes, loaded.source) for i in method.alternatives],
+                "export_hashes": [str(definition.delegates[i.delegate].manifest.get("export_hash", ""))
+                                  for i in method.instructions if isinstance(i, DelegateCall)],
             }
         )
     return ProgramSummary(
@@ -89,6 +107,41 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
         states=[f"{s.name} {s.spec.dtype}{list(s.spec.shape)} ({'zeros' if s.initial is None else 'initial value'})"
                 for s in definition.states],
     )
+
+
+def _alternative(definition, index: int, sizes: dict[str, int], source: str) -> AlternativeSummary:
+    delegate = definition.delegates[index]
+    if delegate.backend != OPENVINO_BACKEND:
+        return AlternativeSummary(index, delegate.backend, "", 0, 0, 0)
+    manifest = parse_openvino_manifest(delegate.manifest, f"Program '{source}', delegate {index} ({delegate.backend})")
+    keys = set(manifest.weights.values())
+    shared = sum(sizes.get(k, 0) for k in keys if k.startswith("param/"))
+    return AlternativeSummary(index, delegate.backend, manifest.export_hash, sizes.get(manifest.model, 0), shared,
+                              sum(sizes.get(k, 0) for k in keys) - shared)
+
+
+def recorded_choices(cache_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """The choices `load_program(prefer="latency")` recorded in `cache_dir` (None: the default), as written
+    (onecopy.runtime.selection); an unreadable record is left out."""
+    directory = (default_cache_dir() if cache_dir is None else Path(cache_dir)) / "choices"
+    found = []
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("latency_ms"), dict):
+            found.append(record)
+    return found
+
+
+def describe_choice(record: dict[str, Any]) -> str:
+    """One line: the backend prefer="latency" runs, each candidate's latency and what its load added to memory."""
+    timings = ", ".join(f"{backend} {ms:.3f} ms" for backend, ms in record["latency_ms"].items())
+    memory = "; ".join(f"{backend} +{m.get('rss', 0):.1f} MiB RSS, +{m.get('pss', 0):.1f} MiB PSS"
+                       for backend, m in (record.get("memory_mb") or {}).items())
+    note = f"; {record['note']}" if record.get("note") else ""
+    return f"{record.get('backend')} ({timings}; a load added {memory}{note})"
 
 
 @dataclass

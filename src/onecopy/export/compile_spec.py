@@ -9,7 +9,10 @@ from onecopy.delegate.targets import COMPUTE_UNITS, TARGETS, host_cpu_target
 from onecopy.errors import InvalidArgument
 from onecopy.export.rewrites import DEFAULT_REWRITES, REWRITES
 
-__all__ = ["CompileSpec"]
+__all__ = ["CompileSpec", "DELEGATES"]
+
+# Engines a program can carry: IREE runs every method; OpenVINO is an alternative for methods IREE runs whole.
+DELEGATES = ("iree", "openvino")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,11 @@ class CompileSpec:
             program is known to compile (`vmfb` always compiles at export).
         rewrites: graph rewrites applied to each method before lowering (onecopy.export.rewrites), in order:
             "depthwise_nhwc" (depthwise convolutions as channels-last multiply-adds). `rewrites=()` turns them off.
+        delegates: which engines the program carries for each method: "iree" (always, first) and "openvino" (an
+            alternative OpenVINO IR of each method that IREE runs whole, over the same weights store; needs
+            `pip install 'onecopy[openvino]'` at export, and at a load with `prefer="latency"`). With "openvino",
+            eval-mode batch norms are folded into their convolutions for both delegates, so both read one copy of
+            the same weights.
 
     Example:
         CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))
@@ -37,8 +45,15 @@ class CompileSpec:
     targets: tuple[str, ...] = ()
     check_compiles: bool = True
     rewrites: tuple[str, ...] = DEFAULT_REWRITES
+    delegates: tuple[str, ...] = ("iree",)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "delegates", _names("delegates", "delegate", self.delegates, DELEGATES))
+        if not self.delegates or self.delegates[0] != "iree" or len(set(self.delegates)) != len(self.delegates):
+            raise InvalidArgument(
+                f"CompileSpec.delegates {self.delegates} must start with 'iree' and name each delegate once, "
+                "e.g. delegates=('iree', 'openvino')."
+            )
         if type(self.check_compiles) is not bool:
             raise InvalidArgument(f"CompileSpec.check_compiles expects bool, got {type(self.check_compiles).__name__}.")
         object.__setattr__(self, "rewrites", _names("rewrites", "rewrite", self.rewrites, REWRITES))

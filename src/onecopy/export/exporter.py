@@ -5,6 +5,8 @@
        their first load will (`compile_check`: an op IREE cannot compile goes to a host kernel, and the method is
        planned again, or fails the export naming it) -> deliver into the named data store with a manifest per
        delegate (`delivery`)
+    -> with CompileSpec(delegates=("iree", "openvino")), an OpenVINO IR of each method IREE runs whole, over the
+       same weights store (`openvino`)
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import Any
 from torch.export import ExportedProgram
 
 from onecopy.errors import ExportError, InvalidArgument
+from onecopy.export.batch_norm_folding import fold_batch_norms
 from onecopy.export.compile_check import lower_checked, move_to_host
 from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.delivery import assemble
 from onecopy.export.lowering import CompileFailed, LoweredBundle
 from onecopy.export.method_plan import DelegatePartition, plan_method
+from onecopy.export.openvino import add_openvino_alternatives
 from onecopy.export.parameters import ParameterTable
 from onecopy.export.partitioner import Partitioner
 from onecopy.export.rewrites import apply_rewrites
@@ -96,6 +100,11 @@ def _check_multifunction(partitioners: dict[str, Partitioner], specs: dict[str, 
     return True
 
 
+def _folds(spec: CompileSpec, partitioner: Partitioner) -> bool:
+    """Whether a method's batch norms are folded: it asks for OpenVINO and keeps no batch norm on the host."""
+    return "openvino" in spec.delegates and not any("batch_norm" in op for op in partitioner.skip_ops)
+
+
 def export_program(
     methods: Mapping[str, ExportedProgram],
     *,
@@ -132,6 +141,10 @@ def export_program(
     if type(memory_planned_outputs) is not bool:
         raise InvalidArgument(f"memory_planned_outputs expects bool, got {type(memory_planned_outputs).__name__}.")
 
+    # With an OpenVINO delegate, batch norms are folded into their convolutions first, for both delegates: the
+    # weights OpenVINO would fold by itself become the parameters IREE reads too (stored once).
+    methods = {name: fold_batch_norms(ep, name) if _folds(specs[name], partitioners[name]) else ep
+               for name, ep in methods.items()}
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
     decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
     apply_rewrites(decomposed, {name: spec.rewrites for name, spec in specs.items()},
@@ -167,4 +180,7 @@ def export_program(
         else:
             break
 
-    return assemble(method_defs, partitions, groups, bundles, specs, table, states, multifunction=multifunction)
+    program = assemble(method_defs, partitions, groups, bundles, specs, table, states, multifunction=multifunction)
+    if any("openvino" in spec.delegates for spec in specs.values()):
+        program = add_openvino_alternatives(program, methods, specs)
+    return program

@@ -102,6 +102,10 @@ class MethodDef(_Strict):
     states: list[str] = []
     # Input index -> [min, max] of the values it may hold (e.g. a cache position), checked before each call.
     input_bounds: dict[int, list[int]] = {}
+    # Delegates (indices into `ProgramDef.delegates`) that can each run the whole method instead of its
+    # instructions: they take the method's inputs and return its outputs. The runtime picks one at load
+    # (`load_program(prefer=...)`); a file without any runs its instructions.
+    alternatives: list[int] = []
 
 
 class StateDef(_Strict):

@@ -199,6 +199,15 @@ def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
                 yield Problem(where, f"reads value {vid} before anything writes it (not an input, a constant or "
                                      "an earlier instruction's result)")
         defined.update(ins.outputs)
+    for position, index in enumerate(method.alternatives):
+        where = f"{at}, alternatives[{position}]"
+        if not 0 <= index < delegates:
+            yield Problem(where, f"delegate {index} does not exist; the program has {delegates} "
+                                 f"delegate{'s' if delegates != 1 else ''}")
+            continue
+        # An alternative runs the whole method: it takes the method's inputs and returns its outputs.
+        whole = DelegateCall(delegate=index, inputs=list(method.inputs), outputs=list(method.outputs))
+        yield from _arity_problems(whole, delegate_defs[index].manifest, where)
     for position, vid in enumerate(method.outputs):
         if 0 <= vid < count and vid not in defined:
             yield Problem(f"{at}, field outputs[{position}]",

@@ -163,6 +163,11 @@ class Backend(abc.ABC):
     def init(self, context: InitContext, manifest: Mapping[str, Any]) -> DelegateHandle:
         """Validate `manifest` and load what it points at. Raise `DelegateError`/`InvalidArgument` on bad input."""
 
+    def engine_version(self) -> str:
+        """The engine's version, where a choice between delegates measured on this machine depends on it (the
+        key of `load_program(prefer="latency")`'s record). This default: none."""
+        return ""
+
     def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:
         """Problems with `manifest` found without loading anything (`Program.verify`, `onecopy verify`): its
         schema, and the keys of `named_data` it names. One sentence each, naming `where`; empty when clean. This
@@ -170,7 +175,8 @@ class Backend(abc.ABC):
         return []
 
 
-_BUILTIN: dict[str, str] = {"IreeBackend": "onecopy.delegate.backend:IreeBackend"}
+_BUILTIN: dict[str, str] = {"IreeBackend": "onecopy.delegate.backend:IreeBackend",
+                             "OpenVinoBackend": "onecopy.delegate.openvino.backend:OpenVinoBackend"}
 _registered: dict[str, Backend] = {}
 _lock = threading.Lock()
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
 
-__all__ = ["TensorMeta", "DelegateMeta", "MethodMeta"]
+__all__ = ["TensorMeta", "DelegateMeta", "Choice", "MethodMeta"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,20 @@ class DelegateMeta:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What `load_program(prefer="latency")` chose for a method (onecopy.runtime.selection): the backend that runs
+    it and what each candidate measured on this machine."""
+
+    backend: str
+    delegate: int  # index into the program's delegates of the one that runs the method whole; -1: its instructions
+    latency_ms: dict[str, float]  # backend -> median latency on the method's shapes
+    # backend -> {"rss": growth, "pss": growth} in MiB of its load and first call, as measured in this process
+    # (a first use in the process includes what the engine's library itself loads)
+    memory_mb: dict[str, dict[str, float]]
+    note: str = ""  # why a candidate was not kept (its outputs differed)
+
+
+@dataclass(frozen=True)
 class MethodMeta:
     name: str
     inputs: tuple[TensorMeta, ...]
@@ -48,6 +62,10 @@ class MethodMeta:
     instructions: tuple[str, ...]  # "delegate_call 0", "host_op aten.relu.default"
     delegates: tuple[DelegateMeta, ...]
     states: tuple[str, ...] = ()  # program states the method reads and updates in place (a KV cache)
+    # Delegates that can run the whole method instead (an OpenVINO delegate); `load_program(prefer=...)` picks.
+    alternatives: tuple[DelegateMeta, ...] = ()
+    # What prefer="latency" chose for this loaded method (backend, timings, memory); None: its instructions run.
+    choice: Choice | None = None
 
     @property
     def stateful(self) -> bool:
@@ -61,15 +79,7 @@ class MethodMeta:
         for ins in method.instructions:
             if isinstance(ins, DelegateCall):
                 instructions.append(f"delegate_call {ins.delegate}")
-                manifest = program.delegates[ins.delegate].manifest
-                delegates.append(
-                    DelegateMeta(
-                        ins.delegate,
-                        program.delegates[ins.delegate].backend,
-                        str(manifest.get("function", "")),
-                        str(manifest.get("packaging", "")),
-                    )
-                )
+                delegates.append(_delegate_meta(ins.delegate, program))
             elif isinstance(ins, HostOp):
                 instructions.append(f"host_op {ins.op}")
         return cls(
@@ -79,4 +89,11 @@ class MethodMeta:
             tuple(instructions),
             tuple(delegates),
             tuple(method.states),
+            tuple(_delegate_meta(i, program) for i in method.alternatives),
         )
+
+
+def _delegate_meta(index: int, program: ProgramDef) -> DelegateMeta:
+    delegate = program.delegates[index]
+    return DelegateMeta(index, delegate.backend, str(delegate.manifest.get("function", "")),
+                        str(delegate.manifest.get("packaging", "")))

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from onecopy.errors import DelegateError, InvalidArgument, OnecopyError, ProgramFormatError
-from onecopy.program import DelegateCall, LoadedProgramFile, Problem, check_program, read_program
+from onecopy.program import DelegateCall, LoadedProgramFile, MethodDef, Problem, check_program, read_program
 from onecopy.program.validate import hash_problems
 from onecopy.runtime.backend import DelegateHandle, get_backend
 from onecopy.runtime.backend_options import BackendOptions, parse_backend_options
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import MethodMeta
+from onecopy.runtime.selection import PREFERENCES, choose_and_load
 from onecopy.runtime.state import State, StateRegistry, load_state, new_state
 
 __all__ = ["Runtime", "Program", "verify_program"]
@@ -63,16 +64,26 @@ class Runtime:
         program: str | os.PathLike[str] | bytes | bytearray | memoryview,
         *,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        prefer: str = "memory",
     ) -> "Program":
+        """Map a program file (or use bytes in place). `prefer`: for methods with an alternative delegate
+        (exported with `CompileSpec(delegates=("iree", "openvino"))`), "memory" (default) runs IREE, which keeps
+        one copy of the weights in memory; "latency" runs the delegate measured fastest on this machine (timed at
+        the first load, recorded in the cache; see onecopy.runtime.selection)."""
+        if prefer not in PREFERENCES:
+            raise InvalidArgument(f"load_program: prefer={prefer!r} is not one of {', '.join(map(repr, PREFERENCES))}; "
+                                  'use prefer="memory" (one copy of the weights) or prefer="latency".')
         options = parse_backend_options(backend_options)
-        return Program(read_program(program), options, self)
+        return Program(read_program(program), options, self, prefer=prefer)
 
 
 class Program:
     """A loaded program. Close it (or use it as a context manager) to release its delegates and its mapping."""
 
-    def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime):
+    def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime, *,
+                 prefer: str = "memory"):
         self._file = loaded
+        self._prefer = prefer
         self._options = options
         self._runtime = runtime
         self._closed = threading.Event()
@@ -163,45 +174,15 @@ class Program:
             return method
         definition = self._method_def(name)
         meta = MethodMeta.from_definition(definition, self._file.definition)
-        handles: dict[int, DelegateHandle] = {}
-        try:
-            for ins in definition.instructions:
-                if not isinstance(ins, DelegateCall) or ins.delegate in handles:
-                    continue
-                delegate = self._file.definition.delegates[ins.delegate]
-                backend = get_backend(delegate.backend)
-                context = InitContext(
-                    method_name=name,
-                    delegate_index=ins.delegate,
-                    named_data=self._file.named_data,
-                    backend_options=self._options.get(delegate.backend, {}),
-                    program_path=self._file.path,
-                    cache_dir=self._runtime.cache_dir,
-                    _method_meta=lambda: meta,
-                )
-                try:
-                    handles[ins.delegate] = backend.init(context, delegate.manifest)
-                except OnecopyError:
-                    raise
-                except Exception as e:
-                    # A backend meets the bytes of a bundle first: a damaged one fails in its engine's terms.
-                    raise DelegateError(
-                        f"{context.where} (backend {delegate.backend}) failed to load: {type(e).__name__}: {e}. "
-                        f"The program may be damaged; {self._verify_hint()} checks it."
-                    ) from e
-            try:
-                method = Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
-            except OnecopyError:
-                raise
-            except Exception as e:
-                raise ProgramFormatError(
-                    f"Program '{self._file.source}', method '{name}' cannot be loaded: {type(e).__name__}: {e}. "
-                    f"{self._verify_hint()} checks the program."
-                ) from e
-        except BaseException:
-            for handle in handles.values():
-                handle.destroy()
-            raise
+        if self._prefer == "latency" and definition.alternatives:
+            method, handles = choose_and_load(
+                definition, meta, self._file.definition, source=self._file.source, cache_dir=self._runtime.cache_dir,
+                init=lambda indices: self._init_delegates(definition, meta, indices),
+                make=lambda shown, handles: self._make_method(definition, shown, handles))
+        else:
+            handles = self._init_delegates(definition, meta, [ins.delegate for ins in definition.instructions
+                                                               if isinstance(ins, DelegateCall)])
+            method = self._make_method(definition, meta, handles)
         with self._lock:
             known = self._loaded.get(name)
             if known is None and not self._closed.is_set():
@@ -214,6 +195,59 @@ class Program:
         if known is None:
             raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
         return known
+
+    def _init_delegates(self, definition: MethodDef, meta: MethodMeta, indices: list[int]
+                        ) -> dict[int, DelegateHandle]:
+        """Initialize the delegates `indices` of the program for `definition`'s method; on failure, none stay."""
+        name = definition.name
+        handles: dict[int, DelegateHandle] = {}
+        try:
+            for index in indices:
+                if index in handles:
+                    continue
+                delegate = self._file.definition.delegates[index]
+                backend = get_backend(delegate.backend)
+                context = InitContext(
+                    method_name=name,
+                    delegate_index=index,
+                    named_data=self._file.named_data,
+                    backend_options=self._options.get(delegate.backend, {}),
+                    program_path=self._file.path,
+                    cache_dir=self._runtime.cache_dir,
+                    _method_meta=lambda: meta,
+                )
+                try:
+                    handles[index] = backend.init(context, delegate.manifest)
+                except OnecopyError:
+                    raise
+                except Exception as e:
+                    # A backend meets the bytes of a bundle first: a damaged one fails in its engine's terms.
+                    raise DelegateError(
+                        f"{context.where} (backend {delegate.backend}) failed to load: {type(e).__name__}: {e}. "
+                        f"The program may be damaged; {self._verify_hint()} checks it."
+                    ) from e
+        except BaseException:
+            for handle in handles.values():
+                handle.destroy()
+            raise
+        return handles
+
+    def _make_method(self, definition: MethodDef, meta: MethodMeta, handles: dict[int, DelegateHandle]) -> Method:
+        """The Method over initialized `handles`; they are destroyed if it cannot be made."""
+        try:
+            try:
+                return Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
+            except OnecopyError:
+                raise
+            except Exception as e:
+                raise ProgramFormatError(
+                    f"Program '{self._file.source}', method '{definition.name}' cannot be loaded: "
+                    f"{type(e).__name__}: {e}. {self._verify_hint()} checks the program."
+                ) from e
+        except BaseException:
+            for handle in handles.values():
+                handle.destroy()
+            raise
 
     def verify(self) -> list[Problem]:
         """Check the whole program without running it: each segment's bytes against its sha256 (loading hashes

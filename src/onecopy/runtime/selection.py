@@ -1,0 +1,232 @@
+"""Which delegate runs a method that has alternatives (`load_program(prefer=...)`), chosen once per machine.
+
+- prefer="memory" (default): the method's own instructions (IREE), which keep one copy of the weights in memory;
+  its alternatives are never loaded.
+- prefer="latency": at the first load on this machine, the method's IREE delegate and each alternative (an
+  OpenVINO delegate) run on random inputs of the method's shapes, interleaved, a few times each; an alternative
+  whose outputs differ from IREE's beyond fp32 tolerance is not kept. The fastest is recorded in
+  `<cache dir>/choices/<key>.json` (key: the delegates' export hashes, the method, this CPU and the engines'
+  versions) with every timing and what each load added to memory, so later loads read it and time nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import ProgramFormatError
+from onecopy.program import DelegateCall, MethodDef, ProgramDef
+from onecopy.runtime.backend import DelegateHandle, get_backend
+from onecopy.runtime.method_meta import Choice, MethodMeta, TensorMeta
+
+__all__ = ["PREFERENCES", "Choice", "choice_key", "read_choice", "write_choice", "time_delegates", "memory_mb",
+           "choices_dir", "selections_timed", "choose_and_load"]
+
+log = logging.getLogger("onecopy")
+
+PREFERENCES = ("memory", "latency")
+CHOICE_FORMAT = 1
+RUNS = 7
+_timed = 0  # selections that timed delegates in this process (a cache hit times nothing)
+
+
+def selections_timed() -> int:
+    return _timed
+
+
+def choices_dir(cache_dir: Path | None) -> Path:
+    if cache_dir is None:
+        from onecopy.delegate.cache_key import default_cache_dir  # a leaf module: where the cache lives
+
+        cache_dir = default_cache_dir()
+    return Path(cache_dir) / "choices"
+
+
+def _host() -> str:
+    model, flags = "", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "CPU part")) and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")) and not flags:
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}"
+
+
+def choice_key(method: str, export_hashes: Sequence[str], engines: Sequence[str]) -> str:
+    fields = {"method": method, "export_hashes": list(export_hashes), "host": _host(), "engines": list(engines),
+              "format": CHOICE_FORMAT}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def read_choice(directory: Path, key: str) -> Choice | None:
+    """The recorded choice, or None when there is none or it cannot be read (then the next load times again)."""
+    try:
+        raw = json.loads((directory / f"{key}.json").read_text())
+        return Choice(str(raw["backend"]), int(raw["delegate"]), dict(raw["latency_ms"]), dict(raw["memory_mb"]),
+                      str(raw.get("note", "")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_choice(directory: Path, key: str, choice: Choice, method: str, program: str,
+                 export_hashes: Sequence[str] = ()) -> None:
+    """Write atomically (a temporary file renamed): a reader sees the whole record or none. `method`, `program`
+    and `export_hashes` (of the delegates compared) let `onecopy inspect` find the record of a program."""
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {**asdict(choice), "method": method, "program": program, "export_hashes": list(export_hashes)}
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".choice-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, directory / f"{key}.json")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def memory_mb() -> dict[str, float]:
+    """This process's RSS and PSS in MiB (Linux; empty elsewhere)."""
+    found = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("Rss", "Pss"):
+                    found[name.lower()] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return found
+
+
+def _random_inputs(specs: Sequence[TensorMeta], seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for spec in specs:
+        if spec.dtype.kind == "f":
+            out.append(rng.standard_normal(spec.shape).astype(spec.dtype))
+        else:  # an index or a flag: zeros are in range for any method that takes one
+            out.append(np.zeros(spec.shape, spec.dtype))
+    return out
+
+
+def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]]], reference: str,
+                   inputs: Sequence[TensorMeta]) -> tuple[dict[str, float], dict[str, str]]:
+    """Median latency (ms) of each run (a method loaded with one candidate, called as users call it), run
+    interleaved on the same random inputs; and, for each run but `reference`, why it is not kept (its outputs
+    differ from the reference's beyond fp32 tolerance)."""
+    global _timed
+    _timed += 1
+    arrays = _random_inputs(inputs)
+    expected = [np.asarray(a, dtype=np.float64) for a in runs[reference](arrays)]
+    rejected = {}
+    for name, run in runs.items():
+        if name == reference:
+            continue
+        for i, (g, e) in enumerate(zip(run(arrays), expected)):
+            scale = float(np.max(np.abs(e))) if e.size else 0.0
+            err = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - e))) if e.size else 0.0
+            if g.shape != e.shape or not err <= 1e-4 * max(scale, 1.0):
+                rejected[name] = f"output {i} differs from {reference}'s by {err:.2e} (scale {scale:.2e})"
+                break
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(RUNS):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run(arrays)
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return {name: float(np.median(t)) for name, t in times.items()}, rejected
+
+
+def _whole_call(definition: MethodDef, source: str) -> DelegateCall:
+    (call,) = definition.instructions if len(definition.instructions) == 1 else (None,)
+    if not isinstance(call, DelegateCall) or call.inputs != definition.inputs or call.outputs != definition.outputs:
+        raise ProgramFormatError(
+            f"Program '{source}', method '{definition.name}' names alternative delegates, but its instructions are "
+            "not one delegate call over its inputs and outputs, which an alternative replaces; re-export it.")
+    return call
+
+
+def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef, *, source: str,
+                    cache_dir: Path | None, init: Callable[[list[int]], dict[int, DelegateHandle]],
+                    make: Callable[[MethodMeta, dict[int, DelegateHandle]], Any]) -> tuple[Any, dict[int, DelegateHandle]]:
+    """The method loaded with the delegate prefer="latency" picks (see the module docstring), and its handles.
+    `init(indices)` initializes program delegates; `make(meta, {index: handle})` builds the Method."""
+    from onecopy.delegate.cache_key import cache_disabled
+
+    call = _whole_call(definition, source)
+    name = definition.name
+    candidates = [-1, *definition.alternatives]  # -1: the method's own delegate call (IREE)
+    backends = {c: program.delegates[call.delegate if c == -1 else c].backend for c in candidates}
+    engines = [f"{backends[c]} {get_backend(backends[c]).engine_version()}" for c in candidates]
+    hashes = [str(program.delegates[call.delegate if c == -1 else c].manifest.get("export_hash", "")) for c in candidates]
+    directory, key = choices_dir(cache_dir), choice_key(name, hashes, engines)
+    chosen = None if cache_disabled() else read_choice(directory, key)
+
+    def load(candidate: int, choice: Choice | None) -> tuple[Any, dict[int, DelegateHandle]]:
+        handles = init([call.delegate]) if candidate == -1 else {call.delegate: init([candidate])[candidate]}
+        shown = meta if candidate == -1 else dataclasses.replace(meta, delegates=(_alternative_meta(meta, candidate),))
+        return make(dataclasses.replace(shown, choice=choice), handles), handles
+
+    if chosen is not None and chosen.delegate in candidates:
+        log.info("method %s: prefer=latency: %s, as measured before (%s; choice %s restored)", name,
+                 chosen.backend, _describe(chosen.latency_ms), key[:12])
+        return load(chosen.delegate, chosen)
+
+    loaded: dict[int, tuple[Any, dict[int, DelegateHandle]]] = {}
+    memory: dict[str, dict[str, float]] = {}
+    try:
+        for candidate in candidates:
+            before = memory_mb()
+            method, handles = load(candidate, None)
+            loaded[candidate] = (method, handles)
+            method.execute(_random_inputs(meta.inputs))  # what its first call allocates counts as its load
+            after = memory_mb()
+            memory[backends[candidate]] = {k: round(after[k] - before[k], 1) for k in after if k in before}
+        latency, rejected = time_delegates(
+            {backends[c]: (lambda m: lambda arrays: m.execute(arrays))(loaded[c][0]) for c in candidates},
+            backends[-1], meta.inputs)
+    except BaseException:
+        for _, handles in loaded.values():
+            for handle in handles.values():
+                handle.destroy()
+        raise
+    kept = [c for c in candidates if backends[c] not in rejected]
+    best = min(kept, key=lambda c: latency[backends[c]])
+    note = "; ".join(f"{b} not kept: {why}" for b, why in rejected.items())
+    choice = Choice(backends[best], best, latency, memory, note)
+    for candidate, (_, handles) in loaded.items():
+        if candidate != best:
+            for handle in handles.values():
+                handle.destroy()
+    if not cache_disabled():
+        write_choice(directory, key, choice, name, source, hashes)
+    log.info("method %s: prefer=latency: %s (%s%s; choice %s recorded)", name, choice.backend,
+             _describe(latency), f"; {note}" if note else "", key[:12])
+    method, handles = loaded[best]
+    # The Method was made before its timings existed; what it shows is its meta, now with the choice.
+    method._meta = dataclasses.replace(method.method_meta, choice=choice)
+    return method, handles
+
+
+def _alternative_meta(meta: MethodMeta, index: int):
+    return next(d for d in meta.alternatives if d.index == index)
+
+
+def _describe(latency: dict[str, float]) -> str:
+    return ", ".join(f"{backend} {ms:.3f} ms" for backend, ms in latency.items())
