@@ -84,7 +84,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
                 print(f"    parameter encoders (pack the weights once per machine): {encoders}")
             for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
-                print(f"    specialized here for {entry.target} (cache entry {entry.key[:12]}): "
+                print(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
                       f"{describe_tuning(entry.tuning)}")
     finally:
         loaded.close()

@@ -13,7 +13,7 @@ from onecopy.errors import DelegateError, InvalidArgument, OnecopyError, Program
 from onecopy.program import DelegateCall, LoadedProgramFile, Problem, check_program, read_program
 from onecopy.program.validate import hash_problems
 from onecopy.runtime.backend import DelegateHandle, get_backend
-from onecopy.runtime.backend_options import BackendOptions, parse_backend_options
+from onecopy.runtime.backend_options import DEFAULT_PRECISION, BackendOptions, check_precision, parse_backend_options
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import MethodMeta
@@ -63,17 +63,28 @@ class Runtime:
         program: str | os.PathLike[str] | bytes | bytearray | memoryview,
         *,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
+        precision: str = DEFAULT_PRECISION,
     ) -> "Program":
+        """Map a program file (or bytes) and check its header; methods load on `load_method`.
+
+        `precision`: "fp32" (default) or "bf16": fp32 inputs and outputs, matmuls and convolutions computed on
+        bf16 inputs with f32 accumulation, for CPUs with native bf16 (AVX512-BF16, AMX-BF16, Arm BF16). A
+        delegate that cannot honour it (another CPU, an AOT `vmfb` program) fails `load_method` with
+        `InvalidArgument` saying why."""
         options = parse_backend_options(backend_options)
-        return Program(read_program(program), options, self)
+        check_precision(precision, f"load_program({str(program)[:80]!r})" if isinstance(program, (str, os.PathLike))
+                        else "load_program")
+        return Program(read_program(program), options, self, precision=precision)
 
 
 class Program:
     """A loaded program. Close it (or use it as a context manager) to release its delegates and its mapping."""
 
-    def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime):
+    def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime, *,
+                 precision: str = DEFAULT_PRECISION):
         self._file = loaded
         self._options = options
+        self.precision = precision
         self._runtime = runtime
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -178,6 +189,7 @@ class Program:
                     program_path=self._file.path,
                     cache_dir=self._runtime.cache_dir,
                     _method_meta=lambda: meta,
+                    precision=self.precision,
                 )
                 try:
                     handles[ins.delegate] = backend.init(context, delegate.manifest)
