@@ -44,6 +44,20 @@ def agreement(got, want) -> dict:
             "scale": float(np.max(np.abs(b)))}
 
 
+def chosen(path, cache_dir) -> dict[str, str]:
+    """What tuned specialization kept for each precision (from the cache entries): the reason a ratio is what it is."""
+    from onecopy.inspect import describe_tuning, specializations
+    from onecopy.program import read_program
+
+    loaded = read_program(path)
+    try:
+        hashes = [d.manifest["export_hash"] for d in loaded.definition.delegates]
+    finally:
+        loaded.close()
+    return {entry.precision: describe_tuning(entry.tuning)
+            for entries in specializations(hashes, cache_dir).values() for entry in entries}
+
+
 def main() -> int:
     run = common.BenchmarkRun("vision_bf16", __doc__)
     import numpy as np
@@ -82,7 +96,8 @@ def main() -> int:
             for peer, e in errors.items():
                 print(f"{name} {peer} vs onecopy fp32: max |err| {e['max_abs_error']:.3g} (scale {e['scale']:.3g}), "
                       f"cosine {e['cosine']:.6f}")
-            payload["models"][name] = {"timings": timings, "vs_onecopy_fp32": errors, "first_load_s": loads}
+            payload["models"][name] = {"timings": timings, "vs_onecopy_fp32": errors, "first_load_s": loads,
+                                       "specializations": chosen(path, cache_dir)}
             if name == "resnet18":
                 ratio = timings["onecopy bf16"]["ratio_to_ort"]
                 payload["targets"] += [

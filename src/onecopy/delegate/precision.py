@@ -33,6 +33,11 @@ _FLAGS = {
         # fp32 (4.4x ONNX Runtime, with or without conv data tiling). As im2col + matmul it reaches the bf16
         # matmul microkernel: 1.5x (measured on Zen 4 with avx512_bf16).
         "--iree-global-opt-use-im2col-for-convs",
+        # IREE 3.13's unpack microkernel fails to lower for some bf16 tiles (MobileNetV3-small: "failed to lower
+        # micro kernel operation", iree_uk_unpack on 16x16 bf16), which threw away data tiling altogether (3.0x
+        # ONNX Runtime instead of 1.6x). The matmul microkernel alone, after compiler_flags' `all` (the last one
+        # given wins), keeps data tiling; packing as generated code cost ResNet-18 and the seed MLP about 3%.
+        "--iree-llvmcpu-enable-ukernels=mmt4d",
     ),
 }
 
