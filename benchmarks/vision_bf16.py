@@ -7,8 +7,7 @@ The issue's target (#22): onecopy bf16 / ONNX Runtime fp32 <= 0.5 on ResNet-18 o
 cosine similarity to fp32 >= 0.999. Programs are exported as in benchmarks/vision.py (its models and helpers) and
 loaded twice, `precision="fp32"` and `precision="bf16"` (each specialized, tuned, for this CPU). OpenVINO bf16:
 `INFERENCE_PRECISION_HINT: "bf16"` (its own bf16 path, the peer that already has one). Errors: max abs difference
-and cosine of the logits against onecopy fp32 (and OpenVINO bf16's against OpenVINO fp32 is not taken: onecopy
-fp32 is within 1e-6 of torch). Needs a CPU with native bf16 (avx512_bf16, amx_bf16, Arm bf16): elsewhere onecopy
+and cosine of both bf16 peers' logits against onecopy fp32 (itself within 1e-6 of torch eager). Needs a CPU with native bf16 (avx512_bf16, amx_bf16, Arm bf16): elsewhere onecopy
 refuses bf16, and so does this script. Results: benchmarks/results/vision_bf16.json.
 """
 
