@@ -14,7 +14,10 @@ of the calls; ratios paired within rounds, ONNX Runtime as 1.00):
 - onnxruntime 1.32: torch.onnx.export, default CPU execution provider and threading;
 - openvino fp32: `openvino.convert_model(exported program)`, `compile_model(..., "CPU",
   {"INFERENCE_PRECISION_HINT": "f32"})` (its default on AMX CPUs is bf16), default threading;
-- torch eager under no_grad.
+- torch eager under no_grad;
+- onecopy bf16 (on CPUs with native bf16): the default export loaded with `precision="bf16"`; its error against
+  onecopy fp32 (max abs, cosine) is recorded beside the others' against torch. benchmarks/vision_bf16.py is the
+  short run of the bf16 rows alone.
 Every peer's output is checked against torch eager before timing (max abs difference recorded).
 
 Depthwise layers alone (B=1): the rewrite's effect on single layers (3x3 on 72 channels at 56x56, 5x5 on 240
@@ -220,7 +223,11 @@ def main() -> int:
 
     from onecopy import Runtime, Surface
 
+    from onecopy.delegate.precision import native_bf16_flags
+    from onecopy.delegate.targets import cpu_flags
+
     machine = run.describe_machine()
+    native_bf16 = any(flag in cpu_flags() for flag in native_bf16_flags())
     budget = 1.5 if run.quick else 8.0
     settings = rounds(run.quick)
     rng = np.random.default_rng(0)
@@ -248,6 +255,10 @@ def main() -> int:
                     "export": exporting.seconds, "specialize": specializing.seconds}
                 programs[(name, peer)] = path
                 loaded[peer] = program
+            if native_bf16:  # the default export again, specialized in bf16 (onecopy's precision="bf16")
+                program = stack.enter_context(runtime.load_program(programs[(name, "onecopy")], precision="bf16"))
+                program.load_method("b1")
+                loaded["onecopy bf16"] = program
             for b in BATCHES:
                 x = inputs[b]
                 peers = {peer: common.OnecopyMethod(p.load_method(f"b{b}")) for peer, p in loaded.items()}
@@ -257,6 +268,10 @@ def main() -> int:
                 with torch.no_grad():
                     want = model(torch.from_numpy(x)).numpy()
                 errors = check(peers, want, x)
+                if "onecopy bf16" in peers:
+                    bf16, fp32 = np.asarray(peers["onecopy bf16"](x)).ravel(), np.asarray(peers["onecopy"](x)).ravel()
+                    errors["onecopy bf16 vs onecopy fp32"] = (
+                        f"{np.max(np.abs(bf16 - fp32)):.2e}, cosine {bf16 @ fp32 / np.linalg.norm(bf16) / np.linalg.norm(fp32):.6f}")
                 print(f"{name} B={b}: timing {', '.join(peers)}", flush=True)
                 timings = timed(peers, x, budget, "onnxruntime", settings)
                 payload["models"][f"{name} B={b}"] = {"timings": timings, "max_abs_error": errors}

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from onecopy.cli import main
-from onecopy.delegate.targets import host_cpu_target
+from onecopy.delegate.precision import native_bf16_flags
+from onecopy.delegate.targets import cpu_flags, host_cpu_target
 from tests.conftest import eager, with_manifest
 
 
@@ -99,6 +100,26 @@ def test_bench_prints_latency_percentiles(small_program_path, capsys):
     out = capsys.readouterr().out
     assert "p50 ms" in out and "forward" in out and "prefill" in out and "float32[16, 64]" in out
 
+
+
+@pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")
+def test_bench_in_bf16_reports_the_error_against_fp32_and_inspect_shows_both_precisions(
+        small_program_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ONECOPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per method
+    assert main(["bench", str(small_program_path), "--runs", "3", "--warmup", "1", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out and "max |err| vs fp32" in out and "cosine vs fp32" in out
+    rows = [line for line in out.splitlines() if "float32[" in line]
+    assert len(rows) == 2
+    for row in rows:  # method, inputs, 4 times, error, cosine
+        cells = [c.strip() for c in row.strip("│ ").split("│")]
+        error, cosine = float(cells[-2]), float(cells[-1])
+        assert 1e-6 < error < 0.05 and 0.999 <= cosine <= 1.0  # bf16 happened, and it is close
+    assert main(["inspect", str(small_program_path), "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "x86_64, bf16 (cache entry" in out or "aarch64, bf16 (cache entry" in out
+    assert ", fp32 (cache entry" in out
 
 
 def test_verify_says_ok_for_a_whole_program(small_program_path, capsys):

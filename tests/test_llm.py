@@ -206,3 +206,24 @@ def test_a_real_checkpoint_generates_the_tokens_transformers_generates(smollm2, 
     tokens = list(generate(smollm2_path, prompt, 16))
     assert tokens == reference(model, prompt, 16)
     assert tokenizer.decode(tokens).startswith(" Paris.")
+
+
+def test_a_stateful_program_runs_in_bf16_close_to_fp32(llama_path):
+    from onecopy.delegate.precision import native_bf16_flags
+    from onecopy.delegate.targets import cpu_flags
+    from onecopy.llm import generate
+
+    if not any(flag in cpu_flags() for flag in native_bf16_flags()):
+        pytest.skip("no native bf16 on this CPU: bf16 is refused here")
+    prompt = np.array([[5, 17, 99, 3]], np.int64)
+    logits = {}
+    for precision in ("fp32", "bf16"):
+        with Runtime().load_program(llama_path, precision=precision) as program:
+            prefill = program.load_method("prefill")
+            logits[precision] = np.array(prefill.execute([prompt, np.arange(PREFILL, dtype=np.int64)])[0])
+            tokens = list(generate(program, [5, 17, 99, 3, 42], 8))
+        vocabulary = prefill.method_meta.outputs[0].shape[-1]
+        assert len(tokens) == 8 and all(0 <= t < vocabulary for t in tokens)
+    a, b = logits["fp32"].ravel(), logits["bf16"].ravel()
+    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+    assert np.abs(a - b).max() > 1e-5 * np.abs(a).max()  # the bf16 load really computed in bf16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -95,7 +96,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
                 print(f"    parameter encoders (pack the weights once per machine): {encoders}")
             for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
-                print(f"    specialized here for {entry.target} (cache entry {entry.key[:12]}): "
+                print(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
                       f"{describe_tuning(entry.tuning)}")
     finally:
         loaded.close()
@@ -202,10 +203,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from onecopy.runtime import Runtime
 
     options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
-    table = Table(title=f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up)")
-    for column in ("method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms"):
-        table.add_column(column, justify="right" if "ms" in column else "left")
-    with Runtime().load_program(args.file, backend_options=options) as program:
+    title = f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up), {args.precision}"
+    table = Table(title=title)
+    columns = ["method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms"]
+    # Another precision than fp32 changes the answers: each method's outputs are compared with an fp32 load's on
+    # the same inputs, so the speed is never read without the error that bought it.
+    against_fp32 = args.precision != "fp32"
+    columns += ["max |err| vs fp32", "cosine vs fp32"] if against_fp32 else []
+    for column in columns:
+        table.add_column(column, justify="right" if ("ms" in column or "fp32" in column) else "left")
+    runtime = Runtime()
+    with contextlib.ExitStack() as stack:
+        program = stack.enter_context(runtime.load_program(args.file, backend_options=options, precision=args.precision))
+        fp32 = stack.enter_context(runtime.load_program(args.file, backend_options=options)) if against_fp32 else None
         names = args.method or program.method_names
         with Progress(console=Console(stderr=True), transient=True) as progress:
             for name in names:
@@ -216,6 +226,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 rng = np.random.default_rng(0)
                 inputs = [rng.standard_normal(t.shape).astype(t.dtype) for t in meta.inputs]
                 outputs = [None if t.memory_planned else np.empty(t.shape, t.dtype) for t in meta.outputs]
+                compared = None
+                if fp32 is not None:  # first calls of both: a stateful method starts from the same state in each
+                    got = [np.array(y) for y in method.execute(inputs, outputs=outputs)]
+                    compared = _error_against(got, fp32.load_method(name).execute(inputs))
                 task = progress.add_task(f"{name}", total=args.warmup + args.runs)
                 times = []
                 for i in range(args.warmup + args.runs):
@@ -226,9 +240,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     progress.advance(task)
                 p50, p90, p99 = np.percentile(times, [50, 90, 99])
                 shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in meta.inputs)
-                table.add_row(name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}")
+                row = [name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}"]
+                if compared is not None:
+                    row += [f"{compared[0]:.3g}", f"{compared[1]:.6f}"]
+                table.add_row(*row)
     Console().print(table)
     return 0
+
+
+def _error_against(got, want) -> tuple[float, float]:
+    """Max absolute difference over all outputs, and the lowest cosine similarity of one output to its reference
+    (each output flattened)."""
+    import numpy as np
+
+    error, cosine = 0.0, 1.0
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+        if not a.size:
+            continue
+        error = max(error, float(np.max(np.abs(a - b))))
+        norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+        cosine = min(cosine, float(a @ b) / norms if norms else float(np.array_equal(a, b)))
+    return error, cosine
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -300,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="compute precision (bf16: CPUs with native bf16); not fp32: also the error against fp32")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("export", help="export a model's methods into one program file")

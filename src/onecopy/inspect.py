@@ -151,6 +151,7 @@ class SpecializationSummary:
     key: str
     target: str
     tuning: dict[str, Any] | None
+    precision: str = "fp32"  # entries written before precision was recorded are fp32: there was no other
 
 
 def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike[str] | None = None
@@ -169,7 +170,7 @@ def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike
         if isinstance(meta, dict) and meta.get("export_hash") in export_hashes:
             tuning = meta.get("tuning") if isinstance(meta.get("tuning"), dict) else None
             found.setdefault(meta["export_hash"], []).append(
-                SpecializationSummary(path.name, str(meta.get("target")), tuning))
+                SpecializationSummary(path.name, str(meta.get("target")), tuning, str(meta.get("precision", "fp32"))))
     return found
 
 

@@ -11,6 +11,8 @@ import onecopy.delegate.tuning as tuning
 from onecopy import Runtime
 from onecopy.cli import main as cli
 from onecopy.delegate.compiler import compile_bundle
+from onecopy.delegate.precision import native_bf16_flags, precision_flags
+from onecopy.delegate.targets import cpu_flags
 from onecopy.delegate.specialize import Compiled
 from onecopy.delegate.tuning import DEFAULT, Candidate, has_convolution, signatures
 from onecopy.errors import InvalidArgument
@@ -162,6 +164,30 @@ def test_candidates_past_the_budget_are_skipped_and_say_so(conv_program, tmp_pat
     assert meta["tuning"]["chosen"] == "default"
     assert [c["error"] for c in meta["tuning"]["candidates"][1:]] == ["skipped: the tuning budget was spent"] * (
         len(tuning.CANDIDATES) - 1)
+
+
+@pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")
+def test_bf16_tunes_bf16_candidates_against_the_bf16_default(conv_program, conv_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)  # every candidate is tried
+    semantic: list[tuple[str, ...]] = []
+    real = specialize_module.compile_with_encoder
+
+    def recording(*args, **kwargs):
+        semantic.append(tuple(kwargs.get("semantic_flags", ())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specialize_module, "compile_with_encoder", recording)
+    program = Runtime(cache_dir=tmp_path).load_program(conv_program, precision="bf16")
+    (y,) = program.load_method("forward").execute([X])
+    program.close()
+    assert semantic == [precision_flags("bf16")] * len(tuning.CANDIDATES)
+    (meta,) = entry_meta(tmp_path)
+    assert meta["precision"] == "bf16" and meta["tuning"]["precision"] == "bf16"
+    # Every candidate agrees with the bf16 default within bf16's tolerance: none is thrown out as a wrong answer.
+    assert [c["error"] for c in meta["tuning"]["candidates"]] == [None] * len(tuning.CANDIDATES)
+    want = conv_model(torch.from_numpy(X)).detach().numpy()
+    error = float(np.abs(y - want).max())
+    assert 1e-5 * np.abs(want).max() < error < 2e-2 * np.abs(want).max()
 
 
 def test_signatures_read_shapes_with_dynamic_dimensions_from_the_bundle():

@@ -36,3 +36,10 @@ def test_bad_options_are_invalid_argument(options, message):
 def test_load_program_checks_options_before_reading_the_file(tmp_path):
     with pytest.raises(InvalidArgument, match="expects str, got int"):
         Runtime().load_program(tmp_path / "missing.onecopy", backend_options={"IreeBackend": {"compute_units": 3}})
+
+
+@pytest.mark.parametrize("precision", ["fp16", "BF16", None, 16])
+def test_an_unknown_precision_is_refused_before_reading_the_file(tmp_path, precision):
+    with pytest.raises(InvalidArgument, match=rf"unknown precision {precision!r}; expected one of 'fp32', 'bf16' "
+                                              r"\(default 'fp32'\)"):
+        Runtime().load_program(tmp_path / "missing.onecopy", precision=precision)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from onecopy import Runtime
+from onecopy.delegate.precision import native_bf16_flags
+from onecopy.delegate.targets import cpu_flags
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime import selection
 
@@ -110,3 +112,23 @@ def test_latency_without_openvino_names_the_extra_to_install(conv_programs, tmp_
     with Runtime(cache_dir=tmp_path).load_program(conv_programs[1], prefer="latency") as program:
         with pytest.raises(DelegateError, match=r"pip install 'onecopy\[openvino\]'"):
             program.load_method("forward")
+
+
+@pytest.mark.skipif(not any(flag in cpu_flags() for flag in native_bf16_flags()),
+                    reason="this CPU has no native bf16: precision='bf16' is refused here")
+def test_bf16_latency_runs_both_engines_in_bf16_and_records_a_choice_of_its_own(conv_programs, conv_net, tmp_path,
+                                                                               caplog):
+    path = conv_programs[1]
+    x = np.random.default_rng(0).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    with Runtime(cache_dir=tmp_path).load_program(path, prefer="latency") as program:
+        program.load_method("forward")
+    with caplog.at_level("INFO", logger="onecopy"), \
+            Runtime(cache_dir=tmp_path).load_program(path, prefer="latency", precision="bf16") as program:
+        forward = program.load_method("forward")
+        got = forward.execute([x])[0]
+        choice = forward.method_meta.choice
+    assert "OpenVINO delegate loaded (bf16" in caplog.text  # timed in bf16, as IREE is
+    assert choice.note == ""  # OpenVINO bf16 within bf16's tolerance of IREE bf16
+    want = _torch(conv_net, x)
+    np.testing.assert_allclose(got, want, atol=3e-2 * float(np.abs(want).max()))
+    assert len(list((tmp_path / "choices").glob("*.json"))) == 2  # fp32's and bf16's, side by side

@@ -18,7 +18,10 @@ from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_versio
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
-from onecopy.delegate.targets import Target, check_target_runs_here, compiler_flags, host_features, select_target
+from onecopy.delegate.precision import check_precision_runs_here, precision_flags
+from onecopy.delegate.targets import (
+    Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, select_target,
+)
 from onecopy.delegate.shared_models import shared_models
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
@@ -181,6 +184,7 @@ class _Resolved:
     target: Target
     cache: SpecializationCache | None
     cache_key: str | None
+    precision: str = "fp32"
 
     @property
     def key_prefix(self) -> str:
@@ -192,7 +196,7 @@ class _Resolved:
         is identified by export hash, target and compute units instead."""
         if self.cache is not None:
             return (self.cache.identity, self.cache_key)
-        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units)
+        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision)
 
 
 class IreeBackend(Backend):
@@ -268,9 +272,9 @@ class IreeBackend(Backend):
             release()
             raise
         log.info(
-            "kind=%s %s key=%s ms=%.1f %s function=%s target=%s%s",
+            "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s%s",
             parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
-            parsed.function, resolved.target.name, " shared" if share else "",
+            parsed.function, resolved.target.name, resolved.precision, " shared" if share else "",
         )
         delegate = IreeDelegate(model, function, parsed, release, share, where)
         try:
@@ -286,7 +290,9 @@ class IreeBackend(Backend):
     def _resolve(context: InitContext, manifest: Manifest) -> _Resolved:
         where = context.where
         units = context.backend_options.get("compute_units", manifest.compute_units)
+        precision = context.precision
         if manifest.packaging == "vmfb":
+            check_precision_runs_here(precision, compute_unit="cpu", packaging="vmfb", cpu_flags=(), where=where)
             target = select_target(units, where, candidates=tuple(manifest.bundle))
             check_target_runs_here(target, where)
             # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
@@ -297,9 +303,12 @@ class IreeBackend(Backend):
             features, engine = host_features(target), f"runtime {runtime_version()}"
         else:
             target = select_target(units, where)
+            check_precision_runs_here(precision, compute_unit=target.compute_unit, packaging="mlir",
+                                      cpu_flags=cpu_flags(), where=where)
             if cache_disabled():
-                return _Resolved(manifest, units, target, None, None)
-            features = host_features(target) + "|" + " ".join(compiler_flags(target, for_host=True))
+                return _Resolved(manifest, units, target, None, None, precision)
+            flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
+            features = host_features(target) + "|" + " ".join(flags)
             features += "|tuned" if _tunes(context, manifest) else ""
             engine = compiler_version()
         options = context.backend_options
@@ -312,7 +321,7 @@ class IreeBackend(Backend):
             features=features,
             compiler=engine,
         )
-        return _Resolved(manifest, units, target, cache, key)
+        return _Resolved(manifest, units, target, cache, key, precision)
 
     @staticmethod
     def _load(context: InitContext, resolved: _Resolved) -> LoadedModel:
@@ -345,7 +354,7 @@ class IreeBackend(Backend):
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
-                                                 tune=_tunes(context, manifest))
+                                                 tune=_tunes(context, manifest), precision=resolved.precision)
         state = "restored"
         if produce is not None:
             if resolved.cache is None:
@@ -361,6 +370,7 @@ class IreeBackend(Backend):
                     compute_units=resolved.units,
                     target=target.name,
                     export_hash=manifest.export_hash,
+                    precision=resolved.precision,
                 )
                 module, encoded = entry.module(), entry.encoded()
             code = code if code is not None else module

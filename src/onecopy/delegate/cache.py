@@ -76,11 +76,12 @@ class SpecializationCache:
 
     def get_or_specialize(
         self, key: str, specialize: Callable[[str], "Specialization"], *, program: str, packaging: str,
-        compute_units: str, target: str, export_hash: str | None = None,
+        compute_units: str, target: str, export_hash: str | None = None, precision: str | None = None,
     ) -> tuple[CacheEntry, str]:
         """Restore `key`, or run `specialize(scratch)` (once across threads and processes; `scratch` is a directory
         of its own in tmp/, removed after, for what the compiler writes on the way) and publish its result.
         `export_hash`, when given, is recorded in the entry so `onecopy inspect` can find a program's entries.
+        `precision`, when given, is recorded too (its flags are in `key` already: it is there to be read).
 
         Returns the opened entry and "restored" or "specialized".
         """
@@ -96,6 +97,8 @@ class SpecializationCache:
                     result = specialize(scratch)
                 info = {"program": program, "packaging": packaging, "compute_units": compute_units, "target": target}
                 extra: dict[str, Any] = {"export_hash": export_hash} if export_hash is not None else {}
+                if precision is not None:
+                    extra["precision"] = precision
                 publish_entry(self.layout, self.index, key, result, info, extra)
             entry = restore_entry(self.layout, self.index, key)
             if entry is None:

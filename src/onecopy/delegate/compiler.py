@@ -35,13 +35,16 @@ def compile_bundle(
 
 
 def compile_bundle_best(
-    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, extra_flags: Sequence[str] = ()
+    source: bytes | memoryview, target: Target, *, for_host: bool, where: str, extra_flags: Sequence[str] = (),
+    semantic_flags: Sequence[str] = (),
 ) -> tuple[bytes, bool]:
     """Compile with data tiling (faster matmuls), or without it where IREE fails: it is an optimization, and
     IREE 3.13 fails some dynamic-shape dispatches with it (seen: "exceeded stack allocation limit" in an
-    attention block). Returns (vmfb, data_tiling_used). `extra_flags` go with the data-tiled compile only."""
+    attention block). Returns (vmfb, data_tiling_used). `extra_flags` go with the data-tiled compile only;
+    `semantic_flags` (what the code computes, e.g. its precision) go with both, so a fallback never changes the
+    answers the caller asked for."""
     try:
-        return compile_bundle(source, target, for_host=for_host, extra_flags=extra_flags), True
+        return compile_bundle(source, target, for_host=for_host, extra_flags=[*semantic_flags, *extra_flags]), True
     except DelegateError as e:
         log.warning("%s: compiling for %s with data tiling failed (%s); compiling without it", where, target.name, e)
-        return compile_bundle(source, target, for_host=for_host, data_tiling=False), False
+        return compile_bundle(source, target, for_host=for_host, data_tiling=False, extra_flags=semantic_flags), False

@@ -39,6 +39,7 @@ import numpy as np
 from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
 from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.manifest import PARAMETER_SCOPE
+from onecopy.delegate.precision import precision_flags
 from onecopy.delegate.targets import Target
 from onecopy.delegate.tuning import DEFAULT, Candidate, Runner, Tuning, candidates
 from onecopy.delegate.tuning import tune as tuned
@@ -91,20 +92,23 @@ def wants_encoder(has_parameters: bool, target: Target) -> bool:
 
 def compile_with_encoder(
     source: bytes | memoryview, target: Target, *, for_host: bool, where: str, with_encoder: bool,
-    scratch: Path | None = None, flags: Sequence[str] = (), fallback: bool = True,
+    scratch: Path | None = None, flags: Sequence[str] = (), fallback: bool = True, semantic_flags: Sequence[str] = (),
 ) -> Compiled:
     """Compile `source` for `target` with data tiling (and `flags`) and, when `with_encoder`, IREE's parameter
     encoder for the same target. If data tiling fell back (`fallback`; else its failure raises), or the compiler
     produced no encoder (nothing to pack), there is none. The compiler writes the encoder into a directory under
     `scratch` (the cache's, at load: a process killed here leaves it where the cache sweeps it) or the system's
-    temporary directory. Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
+    temporary directory. `semantic_flags` (the precision's) go with every compile of the module, fallback
+    included. Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
     with tempfile.TemporaryDirectory(prefix="onecopy-encoder-", dir=scratch) as tmp:
         encoder_path = Path(tmp) / "encoder.mlir"
         extra = [*flags, *(_encoder_flags(encoder_path) if with_encoder else [])]
         if fallback:
-            module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra)
+            module, data_tiling = compile_bundle_best(source, target, for_host=for_host, where=where, extra_flags=extra,
+                                                      semantic_flags=semantic_flags)
         else:
-            module, data_tiling = compile_bundle(source, target, for_host=for_host, extra_flags=extra), True
+            module = compile_bundle(source, target, for_host=for_host, extra_flags=[*semantic_flags, *extra])
+            data_tiling = True
         if not with_encoder or not data_tiling or not encoder_path.exists() or encoder_path.stat().st_size == 0:
             return Compiled(module, data_tiling)
         encoder = compile_bundle(encoder_path.read_bytes(), target, for_host=for_host, data_tiling=False)
@@ -171,20 +175,24 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
 
 
 def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str,
-               scratch: Path | None = None, *, tune: bool = False) -> Specialization:
+               scratch: Path | None = None, *, tune: bool = False, precision: str = "fp32") -> Specialization:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
     bundle becomes code. `tune`: try the configurations of `onecopy.delegate.tuning` and keep the fastest.
+    `precision` (onecopy.delegate.precision): every candidate is compiled in it, and tuning checks each against
+    the default candidate in the same precision.
 
     `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
     use it to prove a load was restored.
     """
     _check_allowed(where)
     with_encoder = wants_encoder(bool(parameters), target)
+    semantic = precision_flags(precision)
 
     def build(candidate: Candidate) -> Specialization:
         try:
             compiled = compile_with_encoder(source, target, for_host=True, where=where, with_encoder=with_encoder,
-                                            scratch=scratch, flags=candidate.flags, fallback=candidate == DEFAULT)
+                                            scratch=scratch, flags=candidate.flags, fallback=candidate == DEFAULT,
+                                            semantic_flags=semantic)
         except DelegateError as e:
             raise DelegateError(f"{where}: {e}") from e
         if compiled.encoder is None:
@@ -196,7 +204,7 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     options = candidates(source)
     if len(options) == 1:  # nothing to choose between: no model to load and time, the first load costs no more
         made = build(DEFAULT)
-        made.tuning = Tuning(DEFAULT, note="no convolution: one configuration").record()
+        made.tuning = Tuning(DEFAULT, note="no convolution: one configuration", precision=precision).record()
         return made
     models: list[LoadedModel] = []
 
@@ -216,7 +224,7 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
         return made, run
 
     try:
-        chosen, tuning = tuned(source, build_and_load, where, options=options)
+        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision)
     finally:
         for model in models:
             model.close()

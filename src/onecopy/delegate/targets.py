@@ -24,6 +24,7 @@ __all__ = [
     "check_target_runs_here",
     "compiler_flags",
     "host_features",
+    "cpu_flags",
 ]
 
 log = logging.getLogger("onecopy")
@@ -76,6 +77,11 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo `flags` on x86, `Features` on Arm); empty where unreadable."""
+    return _cpu_flags()
 
 
 @functools.lru_cache(maxsize=None)

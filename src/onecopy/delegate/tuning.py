@@ -32,13 +32,16 @@ import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["BUDGET_FACTOR", "CANDIDATES", "DEFAULT", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates", "has_convolution",
+__all__ = ["BUDGET_FACTOR", "CANDIDATES", "DEFAULT", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates", "has_convolution",
            "signatures", "tune"]
 
 log = logging.getLogger("onecopy")
 
 BUDGET_FACTOR = 3.0
 RTOL = 1e-3  # candidates reorder floating-point sums (tiles, layouts); results agree to ~1e-5 relative here
+# In bf16 a reordered f32 sum can round the next layer's bf16 input the other way (a step of 2^-8 relative), and
+# such flips compound through the layers; a wrong candidate (bad layout, wrong tile) is off by the whole scale.
+RTOL_BY_PRECISION = {"fp32": RTOL, "bf16": 3e-2}
 _MIN_RUNS, _MAX_RUNS = 3, 50
 # A candidate replaces the one kept only when clearly faster: timings on a busy machine wander by a few percent.
 _MIN_GAIN = 0.03
@@ -166,9 +169,11 @@ class Tuning:
     elapsed_s: float = 0.0
     budget_s: float | None = None
     note: str = ""
+    precision: str = "fp32"  # every candidate's, the reference's included
 
     def record(self) -> dict[str, Any]:
-        return {"chosen": self.chosen.name, "flags": list(self.chosen.flags), "elapsed_s": round(self.elapsed_s, 3),
+        return {"chosen": self.chosen.name, "flags": list(self.chosen.flags), "precision": self.precision,
+                "elapsed_s": round(self.elapsed_s, 3),
                 "budget_s": None if self.budget_s is None else round(self.budget_s, 3), "note": self.note,
                 "candidates": [t.record() for t in self.trials]}
 
@@ -195,8 +200,8 @@ def _time(runner: Runner, calls: list[tuple[Signature, list[np.ndarray]]], budge
     return outputs, min(runs)
 
 
-def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]]) -> str | None:
-    """None when every result matches the reference's to RTOL of its scale, else where it does not."""
+def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]], rtol: float = RTOL) -> str | None:
+    """None when every result matches the reference's to `rtol` of its scale, else where it does not."""
     for i, (got, want) in enumerate(zip(outputs, reference)):
         if len(got) != len(want):
             return f"call {i} returned {len(got)} results, the reference {len(want)}"
@@ -207,7 +212,7 @@ def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]]) 
             if a.dtype.kind in "fc":
                 scale = float(np.max(np.abs(b))) if b.size else 0.0
                 error = float(np.max(np.abs(a - b))) if a.size else 0.0
-                if not np.isfinite(error) or error > RTOL * max(scale, 1e-6):
+                if not np.isfinite(error) or error > rtol * max(scale, 1e-6):
                     return f"result {j} of call {i} differs by {error:.3g} (scale {scale:.3g})"
             elif not np.array_equal(a, b):
                 return f"result {j} of call {i} differs"
@@ -215,15 +220,17 @@ def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]]) 
 
 
 def tune(source: bytes | memoryview, build: Build, where: str, *,
-         options: list[Candidate] | None = None) -> tuple[Any, Tuning]:
+         options: list[Candidate] | None = None, precision: str = "fp32") -> tuple[Any, Tuning]:
     """Build `source` in each candidate configuration (`options`, default `candidates(source)`), keep the fastest
-    whose results agree with the default's. Returns what `build` made for the chosen one, and the tuning."""
+    whose results agree with the default's. `precision`: what `build` compiles every candidate in (the default
+    included, so the reference is in it too); it sets the tolerance (RTOL_BY_PRECISION). Returns what `build`
+    made for the chosen one, and the tuning."""
     started = time.perf_counter()
     options = candidates(source) if options is None else options
     first, rest = options[0], options[1:]
     kept, runner = build(first)  # a failure here is the specialization's own: let it raise
     plain_s = time.perf_counter() - started
-    tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))])
+    tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))], precision=precision)
     if not rest:
         tuning.note = "no convolution: one configuration"
         tuning.elapsed_s = plain_s
@@ -264,7 +271,7 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
             trial.error = f"does not run: {e}"
             continue
         trial.latency_ms = round(seconds * 1e3, 4)
-        wrong = _agrees(outputs, reference)
+        wrong = _agrees(outputs, reference, RTOL_BY_PRECISION[precision])
         if wrong is not None:
             trial.error = f"wrong answer: {wrong}"
             continue

@@ -12,9 +12,24 @@ from typing import Any
 from onecopy.errors import InvalidArgument
 from onecopy.runtime.backend import OptionValue, backend_names, get_backend
 
-__all__ = ["BackendOptions", "parse_backend_options"]
+__all__ = ["BackendOptions", "DEFAULT_PRECISION", "PRECISIONS", "check_precision", "parse_backend_options"]
 
 BackendOptions = dict[str, dict[str, OptionValue]]
+
+# Compute precision asked of every delegate at load (`load_program(..., precision=)`); each backend decides what
+# it means for its engine and refuses what it cannot honour. fp32 is the default and always honoured.
+DEFAULT_PRECISION = "fp32"
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: object, where: str) -> str:
+    """`precision` if it is one onecopy knows, else `InvalidArgument`."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise InvalidArgument(
+            f"{where}: unknown precision {precision!r}; expected one of {', '.join(map(repr, PRECISIONS))} "
+            f"(default {DEFAULT_PRECISION!r})."
+        )
+    return precision
 
 
 def parse_backend_options(options: Mapping[str, Mapping[str, Any]] | None) -> BackendOptions:

@@ -27,6 +27,7 @@ class InitContext:
     program_path: Path | None
     cache_dir: Path | None
     _method_meta: Callable[[], "MethodMeta"]
+    precision: str = "fp32"  # what `load_program(..., precision=)` asked of every delegate (checked there)
 
     def method_meta(self) -> "MethodMeta":
         return self._method_meta()

@@ -13,7 +13,7 @@ from onecopy.errors import DelegateError, InvalidArgument, OnecopyError, Program
 from onecopy.program import DelegateCall, LoadedProgramFile, MethodDef, Problem, check_program, read_program
 from onecopy.program.validate import hash_problems
 from onecopy.runtime.backend import DelegateHandle, get_backend
-from onecopy.runtime.backend_options import BackendOptions, parse_backend_options
+from onecopy.runtime.backend_options import DEFAULT_PRECISION, BackendOptions, check_precision, parse_backend_options
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import MethodMeta
@@ -65,26 +65,37 @@ class Runtime:
         *,
         backend_options: Mapping[str, Mapping[str, Any]] | None = None,
         prefer: str = "memory",
+        precision: str = DEFAULT_PRECISION,
     ) -> "Program":
-        """Map a program file (or use bytes in place). `prefer`: for methods with an alternative delegate
-        (exported with `CompileSpec(delegates=("iree", "openvino"))`), "memory" (default) runs IREE, which keeps
-        one copy of the weights in memory; "latency" runs the delegate measured fastest on this machine (timed at
-        the first load, recorded in the cache; see onecopy.runtime.selection)."""
+        """Map a program file (or bytes) and check its header; methods load on `load_method`.
+
+        `prefer`: for methods with an alternative delegate (exported with `CompileSpec(delegates=("iree",
+        "openvino"))`), "memory" (default) runs IREE, which keeps one copy of the weights in memory; "latency"
+        runs the delegate measured fastest on this machine (timed at the first load, recorded in the cache; see
+        onecopy.runtime.selection).
+
+        `precision`: "fp32" (default) or "bf16": fp32 inputs and outputs, matmuls and convolutions computed on
+        bf16 inputs with f32 accumulation, for CPUs with native bf16 (AVX512-BF16, AMX-BF16, Arm BF16). A
+        delegate that cannot honour it (another CPU, an AOT `vmfb` program) fails `load_method` with
+        `InvalidArgument` saying why."""
         if prefer not in PREFERENCES:
             raise InvalidArgument(f"load_program: prefer={prefer!r} is not one of {', '.join(map(repr, PREFERENCES))}; "
                                   'use prefer="memory" (one copy of the weights) or prefer="latency".')
         options = parse_backend_options(backend_options)
-        return Program(read_program(program), options, self, prefer=prefer)
+        check_precision(precision, f"load_program({str(program)[:80]!r})" if isinstance(program, (str, os.PathLike))
+                        else "load_program")
+        return Program(read_program(program), options, self, prefer=prefer, precision=precision)
 
 
 class Program:
     """A loaded program. Close it (or use it as a context manager) to release its delegates and its mapping."""
 
     def __init__(self, loaded: LoadedProgramFile, options: BackendOptions, runtime: Runtime, *,
-                 prefer: str = "memory"):
+                 prefer: str = "memory", precision: str = DEFAULT_PRECISION):
         self._file = loaded
         self._prefer = prefer
         self._options = options
+        self.precision = precision
         self._runtime = runtime
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -178,7 +189,7 @@ class Program:
             method, handles = choose_and_load(
                 definition, meta, self._file.definition, source=self._file.source, cache_dir=self._runtime.cache_dir,
                 init=lambda indices: self._init_delegates(definition, meta, indices),
-                make=lambda shown, handles: self._make_method(definition, shown, handles))
+                make=lambda shown, handles: self._make_method(definition, shown, handles), precision=self.precision)
         else:
             handles = self._init_delegates(definition, meta, [ins.delegate for ins in definition.instructions
                                                                if isinstance(ins, DelegateCall)])
@@ -215,6 +226,7 @@ class Program:
                     program_path=self._file.path,
                     cache_dir=self._runtime.cache_dir,
                     _method_meta=lambda: meta,
+                    precision=self.precision,
                 )
                 try:
                     handles[index] = backend.init(context, delegate.manifest)

@@ -4,7 +4,8 @@
   its alternatives are never loaded.
 - prefer="latency": at the first load on this machine, the method's IREE delegate and each alternative (an
   OpenVINO delegate) run on random inputs of the method's shapes, interleaved, a few times each; an alternative
-  whose outputs differ from IREE's beyond fp32 tolerance is not kept. The fastest is recorded in
+  whose outputs differ from IREE's beyond the precision's tolerance is not kept (fp32: 1e-4 of the outputs' scale;
+  bf16, where both engines compute on bf16 inputs and round differently: 3e-2). The fastest is recorded in
   `<cache dir>/choices/<key>.json` (key: the delegates' export hashes, the method, this CPU and the engines'
   versions) with every timing and what each load added to memory, so later loads read it and time nothing.
 """
@@ -68,9 +69,11 @@ def _host() -> str:
     return f"{platform.machine()}|{model}|{flags}"
 
 
-def choice_key(method: str, export_hashes: Sequence[str], engines: Sequence[str]) -> str:
+def choice_key(method: str, export_hashes: Sequence[str], engines: Sequence[str], precision: str = "fp32") -> str:
     fields = {"method": method, "export_hashes": list(export_hashes), "host": _host(), "engines": list(engines),
               "format": CHOICE_FORMAT}
+    if precision != "fp32":  # fp32 keys stay those of the choices recorded before precisions existed
+        fields["precision"] = precision
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -125,11 +128,14 @@ def _random_inputs(specs: Sequence[TensorMeta], seed: int = 0) -> list[np.ndarra
     return out
 
 
+TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2}  # of the reference outputs' scale
+
+
 def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]]], reference: str,
-                   inputs: Sequence[TensorMeta]) -> tuple[dict[str, float], dict[str, str]]:
+                   inputs: Sequence[TensorMeta], precision: str = "fp32") -> tuple[dict[str, float], dict[str, str]]:
     """Median latency (ms) of each run (a method loaded with one candidate, called as users call it), run
     interleaved on the same random inputs; and, for each run but `reference`, why it is not kept (its outputs
-    differ from the reference's beyond fp32 tolerance)."""
+    differ from the reference's beyond the precision's tolerance)."""
     global _timed
     _timed += 1
     arrays = _random_inputs(inputs)
@@ -141,7 +147,7 @@ def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]
         for i, (g, e) in enumerate(zip(run(arrays), expected)):
             scale = float(np.max(np.abs(e))) if e.size else 0.0
             err = float(np.max(np.abs(np.asarray(g, dtype=np.float64) - e))) if e.size else 0.0
-            if g.shape != e.shape or not err <= 1e-4 * max(scale, 1.0):
+            if g.shape != e.shape or not err <= TOLERANCES[precision] * max(scale, 1.0):
                 rejected[name] = f"output {i} differs from {reference}'s by {err:.2e} (scale {scale:.2e})"
                 break
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -164,7 +170,8 @@ def _whole_call(definition: MethodDef, source: str) -> DelegateCall:
 
 def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef, *, source: str,
                     cache_dir: Path | None, init: Callable[[list[int]], dict[int, DelegateHandle]],
-                    make: Callable[[MethodMeta, dict[int, DelegateHandle]], Any]) -> tuple[Any, dict[int, DelegateHandle]]:
+                    make: Callable[[MethodMeta, dict[int, DelegateHandle]], Any],
+                    precision: str = "fp32") -> tuple[Any, dict[int, DelegateHandle]]:
     """The method loaded with the delegate prefer="latency" picks (see the module docstring), and its handles.
     `init(indices)` initializes program delegates; `make(meta, {index: handle})` builds the Method."""
     from onecopy.delegate.cache_key import cache_disabled
@@ -175,7 +182,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
     backends = {c: program.delegates[call.delegate if c == -1 else c].backend for c in candidates}
     engines = [f"{backends[c]} {get_backend(backends[c]).engine_version()}" for c in candidates]
     hashes = [str(program.delegates[call.delegate if c == -1 else c].manifest.get("export_hash", "")) for c in candidates]
-    directory, key = choices_dir(cache_dir), choice_key(name, hashes, engines)
+    directory, key = choices_dir(cache_dir), choice_key(name, hashes, engines, precision)
     chosen = None if cache_disabled() else read_choice(directory, key)
 
     def load(candidate: int, choice: Choice | None) -> tuple[Any, dict[int, DelegateHandle]]:
@@ -200,7 +207,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
             memory[backends[candidate]] = {k: round(after[k] - before[k], 1) for k in after if k in before}
         latency, rejected = time_delegates(
             {backends[c]: (lambda m: lambda arrays: m.execute(arrays))(loaded[c][0]) for c in candidates},
-            backends[-1], meta.inputs)
+            backends[-1], meta.inputs, precision)
     except BaseException:
         for _, handles in loaded.values():
             for handle in handles.values():

@@ -7,7 +7,8 @@ no memory. `compile_model` then packs its own copy of the weights for its kernel
 (OpenVINO's `CACHE_DIR`), so a second process compiles from there.
 
 Inference runs in fp32 (`INFERENCE_PRECISION_HINT: f32`): OpenVINO's default on bf16-capable CPUs is bf16, which
-changes answers by ~1e-2. Backend option `inference_precision="bf16"` asks for it.
+changes answers by ~1e-2. `load_program(..., precision="bf16")` asks for it, as does the backend option
+`inference_precision="bf16"` (which, when given, decides).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class OpenVinoBackend(Backend):
         missing = missing_named_data(parsed, set(context.named_data))
         if missing:
             raise DelegateError(f"{where}: {missing[0]}. Re-export the program.")
-        precision = context.backend_options.get("inference_precision", "f32")
+        # load_program(precision="bf16") asks every delegate for bf16 compute; the backend option, when given, decides.
+        precision = context.backend_options.get("inference_precision", "bf16" if context.precision == "bf16" else "f32")
         if precision not in PRECISIONS:
             raise InvalidArgument(f"backend_options['{BACKEND}']['inference_precision'] is '{precision}'; expected "
                                   f"one of {', '.join(PRECISIONS)}.")

@@ -1,0 +1,85 @@
+"""precision='bf16' at load: bf16 contraction inputs on CPUs with native bf16, a specialization of its own."""
+
+import json
+
+import numpy as np
+import pytest
+
+import onecopy.delegate.targets as targets
+from onecopy import Runtime
+from onecopy.delegate.precision import native_bf16_flags, precision_flags
+from onecopy.errors import InvalidArgument
+
+X = np.random.default_rng(3).standard_normal((1, 64)).astype(np.float32)
+
+needs_native_bf16 = pytest.mark.skipif(
+    not any(flag in targets.cpu_flags() for flag in native_bf16_flags()),
+    reason=f"this CPU has none of {', '.join(native_bf16_flags()) or 'the bf16 features'}: bf16 is refused here",
+)
+
+
+def run(path, cache_dir, precision):
+    with Runtime(cache_dir=cache_dir).load_program(path, precision=precision) as program:
+        (y,) = program.load_method("forward").execute([X])
+    return y
+
+
+def entry_precisions(cache_dir) -> list[str]:
+    return sorted(json.loads(p.read_text()).get("precision") for p in cache_dir.glob("v1/entries/*/entry.json"))
+
+
+@needs_native_bf16
+def test_bf16_is_close_to_fp32_and_really_bf16(small_program_path, tmp_path):
+    fp32 = run(small_program_path, tmp_path, "fp32")
+    bf16 = run(small_program_path, tmp_path, "bf16")
+    scale = float(np.abs(fp32).max())
+    error = float(np.abs(bf16 - fp32).max())
+    cosine = float(fp32.ravel() @ bf16.ravel() / np.linalg.norm(fp32) / np.linalg.norm(bf16))
+    assert error < 2e-2 * scale and cosine > 0.999
+    # fp32 code reordered would differ by ~1e-7 of the scale; bf16 inputs (8 bits of mantissa) by ~1e-3.
+    assert error > 1e-4 * scale, "precision='bf16' gave fp32 answers: the demotion did not happen"
+    assert entry_precisions(tmp_path) == ["bf16", "fp32"]
+
+
+@needs_native_bf16
+def test_fp32_and_bf16_entries_coexist_and_each_restores_itself(small_program_path, tmp_path, states, monkeypatch):
+    first = {precision: run(small_program_path, tmp_path, precision) for precision in ("bf16", "fp32")}
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # a restore only: any compile raises
+    for precision in ("fp32", "bf16", "fp32"):
+        np.testing.assert_array_equal(run(small_program_path, tmp_path, precision), first[precision])
+    assert states() == ["specialized", "specialized", "restored", "restored", "restored"]
+
+
+@pytest.mark.parametrize("machine, flags", [("x86_64", ("avx512_bf16", "amx_bf16")), ("aarch64", ("bf16",)),
+                                            ("arm64", ("bf16",)), ("riscv64", ())])
+def test_native_bf16_is_avx512_bf16_or_amx_bf16_on_x86_and_bf16_on_arm(machine, flags):
+    assert native_bf16_flags(machine) == flags
+
+
+def test_a_cpu_without_native_bf16_is_refused_naming_the_feature(small_program_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(targets, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    program = Runtime(cache_dir=tmp_path).load_program(small_program_path, precision="bf16")
+    wanted = " or ".join(native_bf16_flags())
+    with pytest.raises(InvalidArgument, match=rf"Method 'forward', delegate 0: precision='bf16' needs a CPU with "
+                                              rf"native bf16 \({wanted}\); this CPU .* lacks {wanted}.*precision='fp32'"):
+        program.load_method("forward")
+    program.close()
+    assert entry_precisions(tmp_path) == []  # refused before anything was compiled
+
+
+def test_fp32_needs_no_cpu_feature(small_program_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(targets, "_cpu_flags", lambda: frozenset())
+    np.testing.assert_allclose(run(small_program_path, tmp_path, "fp32"), run(small_program_path, tmp_path, "fp32"))
+
+
+def test_a_vmfb_program_is_refused_in_bf16_its_code_is_fp32(small_vmfb_program_path, tmp_path):
+    program = Runtime(cache_dir=tmp_path).load_program(small_vmfb_program_path, precision="bf16")
+    with pytest.raises(InvalidArgument, match=r"precision='bf16' needs a portable program \(packaging='mlir'\): a "
+                                              r"'vmfb' program's code was compiled in fp32 at export"):
+        program.load_method("forward")
+    program.close()
+
+
+def test_fp32_adds_no_flag_bf16_demotes_contraction_inputs():
+    assert precision_flags("fp32") == ()
+    assert "--iree-global-opt-demote-contraction-inputs-type=bf16" in precision_flags("bf16")
