@@ -28,6 +28,16 @@ def test_manifest_of_an_export_is_complete(small_program):
     assert len(manifest.parameters) == 6
 
 
+def test_the_backend_describes_a_delegate_through_its_manifest_schema(small_program):
+    from onecopy.runtime.backend import DelegateSummary, delegate_summary, get_backend
+
+    definition = small_program.definition
+    manifest = parse_manifest(definition.delegates[0].manifest, "test")
+    assert delegate_summary(0, definition) == DelegateSummary("main", "mlir", manifest.export_hash)
+    with pytest.raises(DelegateError, match=r"delegate 0: invalid manifest: .*packaging"):
+        get_backend("IreeBackend").describe({**definition.delegates[0].manifest, "packaging": 3}, "delegate 0")
+
+
 def test_unknown_packaging_is_refused(small_program):
     with pytest.raises(
         DelegateError,

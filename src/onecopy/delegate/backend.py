@@ -25,7 +25,7 @@ from onecopy.delegate.targets import (
 from onecopy.delegate.shared_models import shared_models
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
-from onecopy.runtime.backend import Backend, DelegateHandle
+from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext
 
@@ -233,6 +233,10 @@ class IreeBackend(Backend):
         from onecopy.surface import Surface
 
         return [Surface.open(name) for name in names]
+
+    def describe(self, manifest: Mapping[str, Any], where: str) -> DelegateSummary:
+        parsed = parse_manifest(manifest, where)
+        return DelegateSummary(parsed.function, parsed.packaging, parsed.export_hash)
 
     def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:
         try:

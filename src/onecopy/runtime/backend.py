@@ -24,9 +24,10 @@ import numpy as np
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext, OptionValue
+from onecopy.runtime.method_meta import DelegateSummary
 
-__all__ = ["Backend", "DelegateHandle", "OptionValue", "Plan", "RunReport", "get_backend", "register_backend",
-           "backend_names"]
+__all__ = ["Backend", "DelegateHandle", "DelegateSummary", "OptionValue", "Plan", "RunReport", "delegate_summary",
+           "get_backend", "register_backend", "backend_names"]
 
 
 class RunReport(NamedTuple):
@@ -168,6 +169,11 @@ class Backend(abc.ABC):
         key of `load_program(prefer="latency")`'s record). This default: none."""
         return ""
 
+    def describe(self, manifest: Mapping[str, Any], where: str) -> DelegateSummary:
+        """`manifest` read through this backend's schema (a bad one raises `DelegateError` naming `where`). This
+        default knows nothing of it."""
+        return DelegateSummary()
+
     def verify_manifest(self, manifest: Mapping[str, Any], named_data: Collection[str], where: str) -> list[str]:
         """Problems with `manifest` found without loading anything (`Program.verify`, `onecopy verify`): its
         schema, and the keys of `named_data` it names. One sentence each, naming `where`; empty when clean. This
@@ -184,6 +190,17 @@ _lock = threading.Lock()
 def register_backend(backend: Backend) -> None:
     with _lock:
         _registered[backend.name] = backend
+
+
+def delegate_summary(index: int, program: Any, where: str = "") -> DelegateSummary:
+    """Delegate `index` of `program` (a `ProgramDef`) as its backend reads its manifest, a bad one an error naming
+    `where`; a backend this process does not know describes nothing (loading it fails, naming the known ones)."""
+    delegate = program.delegates[index]
+    try:
+        backend = get_backend(delegate.backend)
+    except DelegateError:
+        return DelegateSummary()
+    return backend.describe(delegate.manifest, where or f"delegate {index} ({delegate.backend})")
 
 
 def backend_names() -> list[str]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +32,15 @@ class TensorMeta:
         if self.is_dynamic:
             return None
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class DelegateSummary(NamedTuple):
+    """What a delegate runs, as its backend reads its manifest (each backend's manifest has a schema of its own):
+    what `MethodMeta` shows, and the export hash a recorded choice of delegate is keyed by."""
+
+    function: str = ""
+    packaging: str = ""
+    export_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,13 +84,15 @@ class MethodMeta:
         return bool(self.states)
 
     @classmethod
-    def from_definition(cls, method: MethodDef, program: ProgramDef) -> "MethodMeta":
+    def from_definition(cls, method: MethodDef, program: ProgramDef,
+                        describe: Callable[[int], DelegateSummary] = lambda index: DelegateSummary()) -> "MethodMeta":
+        """`describe(index)`: delegate `index` as its backend reads its manifest (`runtime.backend.delegate_summary`)."""
         instructions = []
         delegates = []
         for ins in method.instructions:
             if isinstance(ins, DelegateCall):
                 instructions.append(f"delegate_call {ins.delegate}")
-                delegates.append(_delegate_meta(ins.delegate, program))
+                delegates.append(_delegate_meta(ins.delegate, program, describe))
             elif isinstance(ins, HostOp):
                 instructions.append(f"host_op {ins.op}")
         return cls(
@@ -89,11 +102,10 @@ class MethodMeta:
             tuple(instructions),
             tuple(delegates),
             tuple(method.states),
-            tuple(_delegate_meta(i, program) for i in method.alternatives),
+            tuple(_delegate_meta(i, program, describe) for i in method.alternatives),
         )
 
 
-def _delegate_meta(index: int, program: ProgramDef) -> DelegateMeta:
-    delegate = program.delegates[index]
-    return DelegateMeta(index, delegate.backend, str(delegate.manifest.get("function", "")),
-                        str(delegate.manifest.get("packaging", "")))
+def _delegate_meta(index: int, program: ProgramDef, describe: Callable[[int], DelegateSummary]) -> DelegateMeta:
+    summary = describe(index)
+    return DelegateMeta(index, program.delegates[index].backend, summary.function, summary.packaging)

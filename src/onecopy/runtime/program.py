@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from onecopy.errors import DelegateError, InvalidArgument, OnecopyError, ProgramFormatError
 from onecopy.program import DelegateCall, LoadedProgramFile, MethodDef, Problem, check_program, read_program
 from onecopy.program.validate import hash_problems
-from onecopy.runtime.backend import DelegateHandle, get_backend
+from onecopy.runtime.backend import DelegateHandle, delegate_summary, get_backend
 from onecopy.runtime.backend_options import DEFAULT_PRECISION, BackendOptions, check_precision, parse_backend_options
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
-from onecopy.runtime.method_meta import MethodMeta
+from onecopy.runtime.method_meta import DelegateSummary, MethodMeta
 from onecopy.runtime.selection import PREFERENCES, choose_and_load
 from onecopy.runtime.state import State, StateRegistry, load_state, new_state
 
@@ -165,7 +165,7 @@ class Program:
         return self._file.named_data
 
     def method_meta(self, name: str) -> MethodMeta:
-        return MethodMeta.from_definition(self._method_def(name), self._file.definition)
+        return MethodMeta.from_definition(self._method_def(name), self._file.definition, self._describer(name))
 
     def _method_def(self, name: str):
         try:
@@ -184,7 +184,7 @@ class Program:
         if method is not None:
             return method
         definition = self._method_def(name)
-        meta = MethodMeta.from_definition(definition, self._file.definition)
+        meta = MethodMeta.from_definition(definition, self._file.definition, self._describer(name))
         if self._prefer == "latency" and definition.alternatives:
             method, handles = choose_and_load(
                 definition, meta, self._file.definition, source=self._file.source, cache_dir=self._runtime.cache_dir,
@@ -206,6 +206,10 @@ class Program:
         if known is None:
             raise InvalidArgument(f"Program '{self._file.source}' is closed; load it again.")
         return known
+
+    def _describer(self, method: str) -> Callable[[int], DelegateSummary]:
+        """What MethodMeta asks of each delegate of `method`, a bad manifest named as its load would name it."""
+        return lambda index: delegate_summary(index, self._file.definition, f"Method '{method}', delegate {index}")
 
     def _init_delegates(self, definition: MethodDef, meta: MethodMeta, indices: list[int]
                         ) -> dict[int, DelegateHandle]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from onecopy.errors import ProgramFormatError
 from onecopy.program import DelegateCall, MethodDef, ProgramDef
-from onecopy.runtime.backend import DelegateHandle, get_backend
+from onecopy.runtime.backend import DelegateHandle, delegate_summary, get_backend
 from onecopy.runtime.method_meta import Choice, MethodMeta, TensorMeta
 
 __all__ = ["PREFERENCES", "Choice", "choice_key", "read_choice", "write_choice", "time_delegates", "memory_mb",
@@ -181,7 +181,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
     candidates = [-1, *definition.alternatives]  # -1: the method's own delegate call (IREE)
     backends = {c: program.delegates[call.delegate if c == -1 else c].backend for c in candidates}
     engines = [f"{backends[c]} {get_backend(backends[c]).engine_version()}" for c in candidates]
-    hashes = [str(program.delegates[call.delegate if c == -1 else c].manifest.get("export_hash", "")) for c in candidates]
+    hashes = [delegate_summary(call.delegate if c == -1 else c, program).export_hash for c in candidates]
     directory, key = choices_dir(cache_dir), choice_key(name, hashes, engines, precision)
     chosen = None if cache_disabled() else read_choice(directory, key)
 

@@ -25,7 +25,7 @@ from onecopy.delegate.cache_key import cache_disabled, default_cache_dir
 from onecopy.delegate.openvino.ir import place_constants
 from onecopy.delegate.openvino.manifest import BACKEND, missing_named_data, parse_manifest
 from onecopy.errors import DelegateError, InvalidArgument
-from onecopy.runtime.backend import Backend, DelegateHandle
+from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext
 
@@ -101,6 +101,9 @@ class OpenVinoBackend(Backend):
 
     def engine_version(self) -> str:
         return f"openvino {import_openvino('The OpenVINO backend').__version__}"
+
+    def describe(self, manifest: Mapping[str, Any], where: str) -> DelegateSummary:
+        return DelegateSummary(export_hash=parse_manifest(manifest, where).export_hash)
 
     def verify_manifest(self, manifest, named_data, where):
         try:
