@@ -17,7 +17,6 @@ from onecopy.runtime.backend_options import DEFAULT_PRECISION, BackendOptions, c
 from onecopy.runtime.init_context import InitContext
 from onecopy.runtime.method import Method
 from onecopy.runtime.method_meta import DelegateSummary, MethodMeta
-from onecopy.runtime.selection import PREFERENCES, choose_and_load
 from onecopy.runtime.state import State, StateRegistry, load_state, new_state
 
 __all__ = ["Runtime", "Program", "verify_program"]
@@ -78,9 +77,14 @@ class Runtime:
         bf16 inputs with f32 accumulation, for CPUs with native bf16 (AVX512-BF16, AMX-BF16, Arm BF16). A
         delegate that cannot honour it (another CPU, an AOT `vmfb` program) fails `load_method` with
         `InvalidArgument` saying why."""
-        if prefer not in PREFERENCES:
-            raise InvalidArgument(f"load_program: prefer={prefer!r} is not one of {', '.join(map(repr, PREFERENCES))}; "
-                                  'use prefer="memory" (one copy of the weights) or prefer="latency".')
+        if prefer != "memory":
+            # Imported only when asked for: a process that never prefers latency never pays for it.
+            from onecopy.runtime.selection import PREFERENCES
+
+            if prefer not in PREFERENCES:
+                raise InvalidArgument(f"load_program: prefer={prefer!r} is not one of "
+                                      f"{', '.join(map(repr, PREFERENCES))}; use prefer=\"memory\" (one copy of the "
+                                      'weights) or prefer="latency".')
         options = parse_backend_options(backend_options)
         check_precision(precision, f"load_program({str(program)[:80]!r})" if isinstance(program, (str, os.PathLike))
                         else "load_program")
@@ -186,6 +190,8 @@ class Program:
         definition = self._method_def(name)
         meta = MethodMeta.from_definition(definition, self._file.definition, self._describer(name))
         if self._prefer == "latency" and definition.alternatives:
+            from onecopy.runtime.selection import choose_and_load
+
             method, handles = choose_and_load(
                 definition, meta, self._file.definition, source=self._file.source, cache_dir=self._runtime.cache_dir,
                 init=lambda indices: self._init_delegates(definition, meta, indices),
