@@ -3,7 +3,7 @@ import pytest
 
 from onecopy import Runtime
 from onecopy.delegate import available_compute_units
-from onecopy.delegate.targets import TARGETS, check_target_runs_here, host_cpu_target, select_target
+from onecopy.delegate.targets import TARGETS, check_target_runs_here, host_cpu_target, runtime_driver, select_target
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.export import CompileSpec, export_program
 from tests.conftest import eager
@@ -62,3 +62,36 @@ def test_aot_code_needing_missing_cpu_features_is_refused(monkeypatch):
     monkeypatch.setattr(targets, "_cpu_flags", lambda: frozenset({"sse2"}))
     with pytest.raises(DelegateError, match=r"needs CPU features avx2, fma, bmi2, f16c that this CPU lacks"):
         check_target_runs_here(TARGETS["x86_64"], "here")
+
+
+@pytest.mark.parametrize("executor, driver", [(None, "local-task"), ("parallel", "local-task"), ("inline", "local-sync")])
+def test_a_cpu_executor_picks_the_driver(executor, driver):
+    assert runtime_driver(TARGETS["x86_64"], executor, "here") == driver
+
+
+def test_an_unknown_executor_or_one_on_a_gpu_is_refused():
+    with pytest.raises(InvalidArgument, match=r"here: backend option executor='threads' is not one of 'parallel', 'inline'"):
+        runtime_driver(TARGETS["x86_64"], "threads", "here")
+    with pytest.raises(InvalidArgument, match=r"executor='inline' applies to CPU targets only; this delegate runs on vulkan"):
+        runtime_driver(TARGETS["vulkan"], "inline", "here")
+
+
+def test_inline_runs_on_the_calling_thread_with_the_same_results(small_program_path, small_model, rng, tmp_path):
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    runtime = Runtime(cache_dir=tmp_path)
+    with runtime.load_program(small_program_path) as parallel, runtime.load_program(
+            small_program_path, backend_options={"IreeBackend": {"executor": "inline"}}) as inline:
+        forward = inline.load_method("forward")
+        np.testing.assert_allclose(forward.execute([x])[0], parallel.load_method("forward").execute([x])[0],
+                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(forward.execute([x])[0], eager(small_model, x)[0], rtol=1e-4, atol=1e-5)
+        (delegate,) = forward._delegates.values()
+        assert delegate.model.driver == "local-sync"
+        assert len(list((tmp_path / "v1" / "entries").iterdir())) == 1  # the same code: one cache entry for both
+
+
+def test_an_unknown_executor_fails_the_load_naming_the_method(small_program_path, tmp_path):
+    with Runtime(cache_dir=tmp_path).load_program(
+            small_program_path, backend_options={"IreeBackend": {"executor": "fast"}}) as program:
+        with pytest.raises(InvalidArgument, match=r"Method 'forward'.*executor='fast' is not one of"):
+            program.load_method("forward")

@@ -20,7 +20,7 @@ from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.precision import check_precision_runs_here, precision_flags
 from onecopy.delegate.targets import (
-    Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, select_target,
+    Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver, select_target,
 )
 from onecopy.delegate.shared_models import shared_models
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
@@ -185,6 +185,7 @@ class _Resolved:
     cache: SpecializationCache | None
     cache_key: str | None
     precision: str = "fp32"
+    driver: str = ""  # the HAL driver the model runs on (a CPU target's executor); "" is the target's own
 
     @property
     def key_prefix(self) -> str:
@@ -195,8 +196,9 @@ class _Resolved:
         (no parameter encoder for its target, or the cache disabled) runs from the program file alone, so its model
         is identified by export hash, target and compute units instead."""
         if self.cache is not None:
-            return (self.cache.identity, self.cache_key)
-        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision)
+            return (self.cache.identity, self.cache_key, self.driver)
+        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision,
+                self.driver)
 
 
 class IreeBackend(Backend):
@@ -208,6 +210,7 @@ class IreeBackend(Backend):
         "share_multifunction_model": bool,
         "bound_surfaces": str,
         "tune": bool,
+        "executor": str,
     }
 
     @staticmethod
@@ -299,18 +302,20 @@ class IreeBackend(Backend):
             check_precision_runs_here(precision, compute_unit="cpu", packaging="vmfb", cpu_flags=(), where=where)
             target = select_target(units, where, candidates=tuple(manifest.bundle))
             check_target_runs_here(target, where)
+            driver = runtime_driver(target, context.backend_options.get("executor"), where)
             # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
             if target.name not in manifest.encoders or cache_disabled():
-                return _Resolved(manifest, units, target, None, None)
+                return _Resolved(manifest, units, target, None, None, precision, driver)
             # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
             # compiler is involved, nor needed, on a device loading a vmfb program.
             features, engine = host_features(target), f"runtime {runtime_version()}"
         else:
             target = select_target(units, where)
+            driver = runtime_driver(target, context.backend_options.get("executor"), where)
             check_precision_runs_here(precision, compute_unit=target.compute_unit, packaging="mlir",
                                       cpu_flags=cpu_flags(), where=where)
             if cache_disabled():
-                return _Resolved(manifest, units, target, None, None, precision)
+                return _Resolved(manifest, units, target, None, None, precision, driver)
             flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
             features = host_features(target) + "|" + " ".join(flags)
             features += "|tuned" if _tunes(context, manifest) else ""
@@ -325,7 +330,7 @@ class IreeBackend(Backend):
             features=features,
             compiler=engine,
         )
-        return _Resolved(manifest, units, target, cache, key, precision)
+        return _Resolved(manifest, units, target, cache, key, precision, driver)
 
     @staticmethod
     def _load(context: InitContext, resolved: _Resolved) -> LoadedModel:
@@ -385,7 +390,8 @@ class IreeBackend(Backend):
                                 "clear` and load again.")
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
-                                state_zeros={e.parameter: e.nbytes for e in manifest.states})
+                                state_zeros={e.parameter: e.nbytes for e in manifest.states},
+                                driver=resolved.driver or None)
         except BaseException:
             if entry is not None:
                 entry.close()

@@ -157,13 +157,15 @@ class LoadedModel:
         encoded: Mapping[str, memoryview] | None = None,
         keepalive: Any = None,
         state_zeros: Mapping[str, int] | None = None,
+        driver: str | None = None,
     ):
         import iree.runtime as ireert
 
         self.where = where
         self.target = target
         self._instance = vm_instance()
-        self.device = hal_device(target.driver)
+        self.driver = driver or target.driver  # a CPU target's executor may pick local-sync (targets.CPU_EXECUTORS)
+        self.device = hal_device(self.driver)
         providers = [parameter_provider(parameters, PARAMETER_SCOPE, zeros=state_zeros)]
         self.encoded_bytes = sum(memoryview(view).nbytes for view in (encoded or {}).values())  # packed once, shared
         if encoded:

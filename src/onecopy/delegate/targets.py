@@ -16,6 +16,8 @@ from onecopy.errors import DelegateError, InvalidArgument
 
 __all__ = [
     "COMPUTE_UNITS",
+    "CPU_EXECUTORS",
+    "runtime_driver",
     "Target",
     "TARGETS",
     "host_cpu_target",
@@ -55,6 +57,13 @@ TARGETS: dict[str, Target] = {
     "cuda": Target("cuda", "gpu", "cuda", "cuda"),
     "rocm": Target("rocm", "gpu", "rocm", "hip"),
 }
+
+# How a CPU model runs its dispatches (backend option `executor`): "parallel" on IREE's task workers, one per core
+# (local-task); "inline" on the calling thread alone (local-sync), no worker to wake or wait for. Measured on the
+# built-in model, 2 cores (benchmarks/README.md, latency.py): inline has the same median at B=16 and a p90 of
+# 1.03x its median against ~2x on the workers, whose second worker gains nothing there; at B=1 the workers are
+# up to 1.3x faster in the median. The same compiled code runs on both.
+CPU_EXECUTORS = {"parallel": "local-task", "inline": "local-sync"}
 
 _MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
 
@@ -147,6 +156,20 @@ def check_target_runs_here(target: Target, where: str) -> None:
             f"{where}: the program's {target.name} code needs CPU features {', '.join(missing)} that this CPU "
             "lacks; re-export it with packaging='mlir' so it is compiled for this machine."
         )
+
+
+def runtime_driver(target: Target, executor: str | None, where: str) -> str:
+    """The HAL driver a model of `target` runs on: the target's own, or for a CPU target the one of `executor`."""
+    if executor is None:
+        return target.driver
+    if executor not in CPU_EXECUTORS:
+        raise InvalidArgument(f"{where}: backend option executor='{executor}' is not one of "
+                              f"{', '.join(map(repr, CPU_EXECUTORS))}; use 'parallel' (IREE's workers, the default) "
+                              "or 'inline' (the calling thread).")
+    if target.compute_unit != "cpu":
+        raise InvalidArgument(f"{where}: backend option executor='{executor}' applies to CPU targets only; this "
+                              f"delegate runs on {target.name}. Drop the option or use compute_units='cpu'.")
+    return CPU_EXECUTORS[executor]
 
 
 def compiler_flags(target: Target, *, for_host: bool, data_tiling: bool = True) -> list[str]:
