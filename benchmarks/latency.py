@@ -10,6 +10,8 @@ Each model is exported by onecopy as ONE multifunction portable (mlir) program, 
 load specializes it for this CPU into a temporary cache), and each method is timed against the peers side by side
 (common.measure: warm-up, shuffled interleaved rounds, medians):
 - onecopy: Method.execute([x]);
+- onecopy inline: the same program loaded with backend option executor="inline" (its dispatches on the calling
+  thread, IREE local-sync, instead of IREE's task workers); its column "oc/onecopy inline" is default over inline;
 - raw IREE: the module of onecopy's cache entry called directly through iree.runtime on onecopy's own device (the
   same thread pool) (common.RawIree);
 - onnxruntime: torch.onnx.export + InferenceSession, default CPU execution provider and threading;
@@ -32,7 +34,7 @@ from pathlib import Path
 import common
 
 ENCODER = {"dim": 256, "heads": 4, "layers": 4, "seq": 128, "batch": {"b1": 1, "b16": 16}}
-PEERS = ("onecopy", "raw IREE", "onnxruntime", "torch eager")
+PEERS = ("onecopy", "onecopy inline", "raw IREE", "onnxruntime", "torch eager")
 # (threshold, which rows): the targets per model; "b16" only: the torch target is at B=16.
 THRESHOLDS = {
     "builtin": {"raw IREE": (1.03, None), "onnxruntime": (0.9, None), "torch eager": (0.5, "prefill")},
@@ -124,6 +126,9 @@ def main() -> int:
                 program = runtime.load_program(path)
                 loaded = {name: program.load_method(name) for name in examples}
             load_s = load_watch.seconds
+            # The same program with executor="inline" (the calling thread, IREE local-sync): restored, same entry.
+            inline_program = runtime.load_program(path, backend_options={"IreeBackend": {"executor": "inline"}})
+            inline = {name: inline_program.load_method(name) for name in examples}
             new = common.cache_entries(cache_dir) - before
             if len(new) != 1:
                 raise SystemExit(f"expected one new cache entry for the {label} program, found {sorted(new)}")
@@ -154,6 +159,7 @@ def main() -> int:
                 function = program.definition.delegates[calls[0].delegate].manifest["function"]
                 peers = {
                     "onecopy": common.OnecopyMethod(loaded[name]),
+                    "onecopy inline": common.OnecopyMethod(inline[name]),
                     "raw IREE": common.RawIree(entry_dir, path, function, device=hal_device("local-task")),
                     "onnxruntime": common.OnnxRuntime(model, x, work / f"{label}-{name}.onnx"),
                     "torch eager": common.TorchEager(model),
@@ -180,6 +186,7 @@ def main() -> int:
                     "config": config, "model": label, "method": name, "function": function,
                     "input_shape": list(x.shape), "median_ms": {p: stats[p].median_ms for p in PEERS},
                     "p90_ms": {p: stats[p].p90_ms for p in PEERS}, "onecopy_p90_over_p50": tail,
+                    "onecopy_inline_p90_over_p50": stats["onecopy inline"].p90_ms / stats["onecopy inline"].median_ms,
                     "stats": stats, "ratios_onecopy_over": ratios, "ratios_of_medians_onecopy_over": median_ratios,
                     "other_processes_cpu": others,
                     "call_by_call": {"stats": close, "onecopy_over_raw_iree": overhead_ratio,
@@ -203,6 +210,7 @@ def main() -> int:
                     ))
                 del peers
             program.close()
+            inline_program.close()
 
         overhead = per_call_overhead(work, cache_dir, runtime, budget)
 
