@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +223,7 @@ class Program:
         """Initialize the delegates `indices` of the program for `definition`'s method; on failure, none stay."""
         name = definition.name
         handles: dict[int, DelegateHandle] = {}
-        try:
+        with _destroyed_on_error(handles):
             for index in indices:
                 if index in handles:
                     continue
@@ -248,15 +249,11 @@ class Program:
                         f"{context.where} (backend {delegate.backend}) failed to load: {type(e).__name__}: {e}. "
                         f"The program may be damaged; {self._verify_hint()} checks it."
                     ) from e
-        except BaseException:
-            for handle in handles.values():
-                handle.destroy()
-            raise
         return handles
 
     def _make_method(self, definition: MethodDef, meta: MethodMeta, handles: dict[int, DelegateHandle]) -> Method:
         """The Method over initialized `handles`; they are destroyed if it cannot be made."""
-        try:
+        with _destroyed_on_error(handles):
             try:
                 return Method(definition, meta, handles, self._file.named_data, self._closed, owner=self)
             except OnecopyError:
@@ -266,10 +263,6 @@ class Program:
                     f"Program '{self._file.source}', method '{definition.name}' cannot be loaded: "
                     f"{type(e).__name__}: {e}. {self._verify_hint()} checks the program."
                 ) from e
-        except BaseException:
-            for handle in handles.values():
-                handle.destroy()
-            raise
 
     def verify(self) -> list[Problem]:
         """Check the whole program without running it: each segment's bytes against its sha256 (loading hashes
@@ -310,3 +303,14 @@ class Program:
             self.close()
         except Exception:
             pass
+
+
+@contextlib.contextmanager
+def _destroyed_on_error(handles: Mapping[int, DelegateHandle]) -> Iterator[None]:
+    """Destroy every handle in `handles` (as filled so far) if the block fails: a method loads whole or not at all."""
+    try:
+        yield
+    except BaseException:
+        for handle in handles.values():
+            handle.destroy()
+        raise
