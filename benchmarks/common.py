@@ -19,7 +19,7 @@ from harness.cpu import CpuSnapshot, cpu_snapshot, foreign_cpu, wait_quiet
 from harness.machine import VERSIONED_PACKAGES, machine_info, print_machine
 from harness.peers import OnecopyMethod, OnnxRuntime, OnnxRuntimeDecoder, TorchEager, max_abs_diff
 from harness.process_memory import SMAPS_FIELDS, smaps_rollup
-from harness.raw_iree import ENCODED_SCOPE, RawIree, RawIreeInPlace
+from harness.raw_iree import ENCODED_SCOPE, RawIree, RawIreeInPlace, engine_device, engine_driver
 from harness.results import BenchmarkRun, _jsonable, parse_args, results_path, write_results
 from harness.tables import fmt_bytes, fmt_ms, fmt_ratio, mib, print_table
 from harness.targets import TARGET_COLUMNS, print_targets, target, target_row
@@ -30,8 +30,8 @@ from harness.workspace import cache_entries, collect_load_states, isolated_cache
 __all__ = [
     "ROOT", "RESULTS_DIR", "CpuSnapshot", "cpu_snapshot", "foreign_cpu", "wait_quiet", "VERSIONED_PACKAGES",
     "machine_info", "print_machine", "OnecopyMethod", "OnnxRuntime", "OnnxRuntimeDecoder", "TorchEager",
-    "max_abs_diff", "SMAPS_FIELDS", "smaps_rollup", "ENCODED_SCOPE", "RawIree", "RawIreeInPlace", "BenchmarkRun",
-    "parse_args", "results_path", "write_results", "fmt_bytes", "fmt_ms", "fmt_ratio", "mib", "print_table",
+    "max_abs_diff", "SMAPS_FIELDS", "smaps_rollup", "ENCODED_SCOPE", "RawIree", "RawIreeInPlace", "engine_device",
+    "engine_driver", "BenchmarkRun", "parse_args", "results_path", "write_results", "fmt_bytes", "fmt_ms", "fmt_ratio", "mib", "print_table",
     "TARGET_COLUMNS", "print_targets", "target", "target_row", "Stats", "Stopwatch", "measure",
     "measure_alternating", "median", "paired_difference_ms", "paired_interval", "paired_ratio", "cache_entries",
     "collect_load_states", "isolated_cache", "run_script", "temp_workdir", "_jsonable", "_stats",

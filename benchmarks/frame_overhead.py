@@ -41,7 +41,6 @@ def main() -> int:
     import torch
 
     from onecopy import Runtime, Surface
-    from onecopy.delegate.engine import hal_device
     from onecopy.export import export_program
 
     run.describe_machine()
@@ -69,7 +68,7 @@ def main() -> int:
             method.bind_surface(surface)
         x_in, x_out = (s.array().reshape(SHAPE) for s in (s_in, s_out))
         x_in[...] = 1
-        raw = common.RawIreeInPlace(entry, path, manifest["function"], device=hal_device("local-task"))
+        raw = common.RawIreeInPlace(entry, path, manifest["function"], device=common.engine_device(method))
         raw.bind([x_in], [x_out])
         prepared = method.prepare([x_in], outputs=[x_out])
         method.execute([x_in], outputs=[x_out])  # planned and kept: the timed calls rerun it

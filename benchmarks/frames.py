@@ -117,7 +117,6 @@ def main() -> int:
     import torch
 
     from onecopy import Runtime, Surface
-    from onecopy.delegate.engine import hal_device
 
     run.describe_machine()
     budget, chain_budget = (2.0, 1.0) if run.quick else (20.0, 10.0)
@@ -167,10 +166,10 @@ def main() -> int:
         x_in, x_mid, x_out = (s.array().reshape(SHAPE) for s in (s_in, s_mid, s_out))
         x_in[...] = frame
 
-        device = hal_device("local-task")  # onecopy's device: the raw calls use the same thread pool
-        raw_a = common.RawIreeInPlace(entry_a, path_a, manifest_a["function"], device=device)
+        # onecopy's devices (the executor each method runs on): the raw calls run on the same ones
+        raw_a = common.RawIreeInPlace(entry_a, path_a, manifest_a["function"], device=common.engine_device(bound))
         raw_a.bind([x_in], [x_mid])
-        raw_b = common.RawIreeInPlace(entry_b, path_b, manifest_b["function"], device=device)
+        raw_b = common.RawIreeInPlace(entry_b, path_b, manifest_b["function"], device=common.engine_device(bound_b))
         raw_b.bind([x_mid], [x_out])
         scale_bias_16 = copy.deepcopy(scale_bias).to(torch.float16)
         ort = OrtIoBinding(scale_bias_16, frame, work / "scale_bias.onnx")

@@ -9,11 +9,12 @@ Models:
 Each model is exported by onecopy as ONE multifunction portable (mlir) program, loaded with onecopy.Runtime (the
 load specializes it for this CPU into a temporary cache), and each method is timed against the peers side by side
 (common.measure: warm-up, shuffled interleaved rounds, medians):
-- onecopy: Method.execute([x]);
-- onecopy inline: the same program loaded with backend option executor="inline" (its dispatches on the calling
-  thread, IREE local-sync, instead of IREE's task workers); its column "oc/onecopy inline" is default over inline;
+- onecopy: Method.execute([x]), as loaded by default: each method on the executor its specialization measured
+  faster here (backend option executor="auto": IREE's task workers or the calling thread);
+- onecopy parallel / onecopy inline: the same program loaded with backend option executor="parallel" (IREE's task
+  workers, local-task) or "inline" (the calling thread, local-sync): what the default chose between;
 - raw IREE: the module of onecopy's cache entry called directly through iree.runtime on onecopy's own device (the
-  same thread pool) (common.RawIree);
+  executor the default picked) (common.RawIree);
 - onnxruntime: torch.onnx.export + InferenceSession, default CPU execution provider and threading;
 - torch eager: the model under torch.no_grad().
 A tiny model (one Linear(16, 16)) measures onecopy's own cost per call, where the engine has next to nothing to do.
@@ -34,7 +35,8 @@ from pathlib import Path
 import common
 
 ENCODER = {"dim": 256, "heads": 4, "layers": 4, "seq": 128, "batch": {"b1": 1, "b16": 16}}
-PEERS = ("onecopy", "onecopy inline", "raw IREE", "onnxruntime", "torch eager")
+PEERS = ("onecopy", "onecopy parallel", "onecopy inline", "raw IREE", "onnxruntime", "torch eager")
+EXECUTORS = {"onecopy parallel": "parallel", "onecopy inline": "inline"}
 # (threshold, which rows): the issue's targets per model; "b16" only: the torch target is at B=16.
 THRESHOLDS = {
     "builtin": {"raw IREE": (1.03, None), "onnxruntime": (0.9, None), "torch eager": (0.5, "prefill")},
@@ -67,7 +69,6 @@ def per_call_overhead(work: Path, cache_dir: Path, runtime, budget: float) -> di
     to nothing, onecopy Method.execute vs the same module called raw."""
     import numpy as np
 
-    from onecopy.delegate.engine import hal_device
     from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.models import builtin_methods, builtin_model
 
@@ -81,7 +82,8 @@ def per_call_overhead(work: Path, cache_dir: Path, runtime, budget: float) -> di
     (key,) = common.cache_entries(cache_dir) - before
     x = np.ones((1, 16), np.float32)
     peers = {"onecopy": common.OnecopyMethod(method),
-             "raw IREE": common.RawIree(cache_dir / "v1" / "entries" / key, path, "forward_0", device=hal_device("local-task"))}
+             "raw IREE": common.RawIree(cache_dir / "v1" / "entries" / key, path, "forward_0",
+                                        device=common.engine_device(method))}
     stats = common.measure_alternating({p: (lambda f=f: f(x)) for p, f in peers.items()}, budget_s=budget / 2)
     program.close()
     us = {p: stats[p].median_ms * 1e3 for p in peers}
@@ -100,7 +102,6 @@ def main() -> int:
     import torch  # noqa: F401  (machine_info records its thread count)
 
     from onecopy import Runtime
-    from onecopy.delegate.engine import hal_device
     from onecopy.delegate.targets import compiler_flags, host_cpu_target
     from onecopy.export import CompileSpec, Partitioner, export_program
     from onecopy.inspect import summarize
@@ -126,9 +127,10 @@ def main() -> int:
                 program = runtime.load_program(path)
                 loaded = {name: program.load_method(name) for name in examples}
             load_s = load_watch.seconds
-            # The same program with executor="inline" (the calling thread, IREE local-sync): restored, same entry.
-            inline_program = runtime.load_program(path, backend_options={"IreeBackend": {"executor": "inline"}})
-            inline = {name: inline_program.load_method(name) for name in examples}
+            # The same program on each executor, forced: restored, the same cache entry.
+            forced_programs = {peer: runtime.load_program(path, backend_options={"IreeBackend": {"executor": e}})
+                               for peer, e in EXECUTORS.items()}
+            forced = {peer: {name: p.load_method(name) for name in examples} for peer, p in forced_programs.items()}
             new = common.cache_entries(cache_dir) - before
             if len(new) != 1:
                 raise SystemExit(f"expected one new cache entry for the {label} program, found {sorted(new)}")
@@ -159,8 +161,8 @@ def main() -> int:
                 function = program.definition.delegates[calls[0].delegate].manifest["function"]
                 peers = {
                     "onecopy": common.OnecopyMethod(loaded[name]),
-                    "onecopy inline": common.OnecopyMethod(inline[name]),
-                    "raw IREE": common.RawIree(entry_dir, path, function, device=hal_device("local-task")),
+                    **{peer: common.OnecopyMethod(methods[name]) for peer, methods in forced.items()},
+                    "raw IREE": common.RawIree(entry_dir, path, function, device=common.engine_device(loaded[name])),
                     "onnxruntime": common.OnnxRuntime(model, x, work / f"{label}-{name}.onnx"),
                     "torch eager": common.TorchEager(model),
                 }
@@ -176,7 +178,7 @@ def main() -> int:
                 overhead_span = common.paired_interval(close["onecopy"], close["raw IREE"])
                 added_us = common.paired_difference_ms(close["onecopy"], close["raw IREE"]) * 1e3
                 median_ratios = {p: stats["onecopy"].median_ms / stats[p].median_ms for p in PEERS if p != "onecopy"}
-                config = describe(label, name, x)
+                config = f"{describe(label, name, x)} ({common.engine_driver(loaded[name])})"
                 tail = stats["onecopy"].p90_ms / stats["onecopy"].median_ms
                 rows.append([config] + [common.fmt_ms(stats[p].median_ms) for p in PEERS]
                             + [common.fmt_ms(stats["onecopy"].p90_ms), f"{tail:.2f}"]
@@ -186,7 +188,8 @@ def main() -> int:
                     "config": config, "model": label, "method": name, "function": function,
                     "input_shape": list(x.shape), "median_ms": {p: stats[p].median_ms for p in PEERS},
                     "p90_ms": {p: stats[p].p90_ms for p in PEERS}, "onecopy_p90_over_p50": tail,
-                    "onecopy_inline_p90_over_p50": stats["onecopy inline"].p90_ms / stats["onecopy inline"].median_ms,
+                    "driver": common.engine_driver(loaded[name]),
+                    "p90_over_p50": {p: stats[p].p90_ms / stats[p].median_ms for p in ("onecopy", *EXECUTORS)},
                     "stats": stats, "ratios_onecopy_over": ratios, "ratios_of_medians_onecopy_over": median_ratios,
                     "other_processes_cpu": others,
                     "call_by_call": {"stats": close, "onecopy_over_raw_iree": overhead_ratio,
@@ -210,7 +213,8 @@ def main() -> int:
                     ))
                 del peers
             program.close()
-            inline_program.close()
+            for forced_program in forced_programs.values():
+                forced_program.close()
 
         overhead = per_call_overhead(work, cache_dir, runtime, budget)
 

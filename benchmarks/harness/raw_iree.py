@@ -9,10 +9,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENCODED_SCOPE", "RawIree", "RawIreeInPlace"]
+__all__ = ["ENCODED_SCOPE", "RawIree", "RawIreeInPlace", "engine_device", "engine_driver"]
 
 # The parameter scope of weights that specialization encoded (packed) for this CPU, in onecopy's cache entries.
 ENCODED_SCOPE = "encoded"
+
+
+def engine_driver(method: Any) -> str:
+    """The IREE HAL driver a loaded onecopy Method (of one delegate) runs on: its executor's, picked at load
+    (`local-task`: IREE's task workers; `local-sync`: the calling thread)."""
+    (delegate,) = {id(d): d for d in method._delegates.values()}.values()
+    return delegate.model.driver
+
+
+def engine_device(method: Any) -> Any:
+    """The IREE device `method` runs on (`engine_driver`), so that raw calls compared with it run on the same one."""
+    from onecopy.delegate.engine import hal_device
+
+    return hal_device(engine_driver(method))
 
 
 class RawIree:

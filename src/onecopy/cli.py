@@ -59,6 +59,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from onecopy.delegate.executors import describe as describe_executors
     from onecopy.inspect import describe_choice, describe_tuning, recorded_choices, specializations, summarize
     from onecopy.program import read_program
 
@@ -98,6 +99,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
                 print(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
                       f"{describe_tuning(entry.tuning)}")
+                if entry.executors is not None:  # executor="auto" picks from these
+                    print(f"    executors (mean latency, the faster): {describe_executors(entry.executors)}")
     finally:
         loaded.close()
     return 0

@@ -146,12 +146,14 @@ def describe_choice(record: dict[str, Any]) -> str:
 
 @dataclass
 class SpecializationSummary:
-    """A cache entry made for a bundle on this machine: its key, target, and what tuning chose (None: not tuned)."""
+    """A cache entry made for a bundle on this machine: its key, target, what tuning chose (None: not tuned) and
+    each function's latency on both CPU executors (None: not timed, a vmfb program's entry or a GPU's)."""
 
     key: str
     target: str
     tuning: dict[str, Any] | None
     precision: str = "fp32"  # entries written before precision was recorded are fp32: there was no other
+    executors: dict[str, Any] | None = None
 
 
 def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike[str] | None = None
@@ -169,8 +171,9 @@ def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike
             continue
         if isinstance(meta, dict) and meta.get("export_hash") in export_hashes:
             tuning = meta.get("tuning") if isinstance(meta.get("tuning"), dict) else None
-            found.setdefault(meta["export_hash"], []).append(
-                SpecializationSummary(path.name, str(meta.get("target")), tuning, str(meta.get("precision", "fp32"))))
+            executors = meta.get("executors") if isinstance(meta.get("executors"), dict) else None
+            found.setdefault(meta["export_hash"], []).append(SpecializationSummary(
+                path.name, str(meta.get("target")), tuning, str(meta.get("precision", "fp32")), executors))
     return found
 
 

@@ -64,13 +64,20 @@ def test_aot_code_needing_missing_cpu_features_is_refused(monkeypatch):
         check_target_runs_here(TARGETS["x86_64"], "here")
 
 
-@pytest.mark.parametrize("executor, driver", [(None, "local-task"), ("parallel", "local-task"), ("inline", "local-sync")])
+@pytest.mark.parametrize("executor, driver", [
+    (None, ""), ("auto", ""), ("parallel", "local-task"), ("inline", "local-sync")])
 def test_a_cpu_executor_picks_the_driver(executor, driver):
+    # "": picked at load from the specialization's calibration (tests/delegate/test_executors.py)
     assert runtime_driver(TARGETS["x86_64"], executor, "here") == driver
 
 
+@pytest.mark.parametrize("executor", [None, "auto"])
+def test_a_gpu_runs_on_its_own_driver(executor):
+    assert runtime_driver(TARGETS["vulkan"], executor, "here") == "vulkan"
+
+
 def test_an_unknown_executor_or_one_on_a_gpu_is_refused():
-    with pytest.raises(InvalidArgument, match=r"here: backend option executor='threads' is not one of 'parallel', 'inline'"):
+    with pytest.raises(InvalidArgument, match=r"here: backend option executor='threads' is not one of 'auto', 'parallel', 'inline'"):
         runtime_driver(TARGETS["x86_64"], "threads", "here")
     with pytest.raises(InvalidArgument, match=r"executor='inline' applies to CPU targets only; this delegate runs on vulkan"):
         runtime_driver(TARGETS["vulkan"], "inline", "here")

@@ -15,12 +15,14 @@ from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabl
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
+from onecopy.delegate.executors import choose
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.precision import check_precision_runs_here, precision_flags
 from onecopy.delegate.targets import (
-    Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver, select_target,
+    CPU_EXECUTORS, Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver,
+    select_target,
 )
 from onecopy.delegate.shared_models import shared_models
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
@@ -185,7 +187,7 @@ class _Resolved:
     cache: SpecializationCache | None
     cache_key: str | None
     precision: str = "fp32"
-    driver: str = ""  # the HAL driver the model runs on (a CPU target's executor); "" is the target's own
+    driver: str = ""  # the HAL driver the model runs on; "" on a CPU: the executor measured faster (executors.py)
 
     @property
     def key_prefix(self) -> str:
@@ -266,11 +268,11 @@ class IreeBackend(Backend):
         # state: each State has contexts of its own).
         if share or parsed.states:
             table_key = resolved.table_key()
-            model, loaded_here = shared_models.acquire(table_key, lambda: self._load(context, resolved))
+            model, loaded_here = shared_models.acquire(table_key, lambda: self._load(context, resolved, serves=None))
             state = model.load_state if loaded_here else "restored"
             release: Callable[[], None] = lambda: shared_models.release(table_key)
         else:
-            model = self._load(context, resolved)
+            model = self._load(context, resolved, serves=[parsed.function])
             state = model.load_state
             release = model.close
         try:
@@ -279,9 +281,9 @@ class IreeBackend(Backend):
             release()
             raise
         log.info(
-            "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s%s",
+            "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s driver=%s%s",
             parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
-            parsed.function, resolved.target.name, resolved.precision, " shared" if share else "",
+            parsed.function, resolved.target.name, resolved.precision, model.driver, " shared" if share else "",
         )
         delegate = IreeDelegate(model, function, parsed, release, share, where)
         try:
@@ -319,6 +321,7 @@ class IreeBackend(Backend):
             flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
             features = host_features(target) + "|" + " ".join(flags)
             features += "|tuned" if _tunes(context, manifest) else ""
+            features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
             engine = compiler_version()
         options = context.backend_options
         cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
@@ -333,10 +336,11 @@ class IreeBackend(Backend):
         return _Resolved(manifest, units, target, cache, key, precision, driver)
 
     @staticmethod
-    def _load(context: InitContext, resolved: _Resolved) -> LoadedModel:
+    def _load(context: InitContext, resolved: _Resolved, serves: Sequence[str] | None) -> LoadedModel:
         """Build the model: vmfb code in place from the program file, with the weights its encoder packs restored
         from the cache entry (or encoded into it); mlir code and packed weights restored from the cache entry (or
-        specialized into it). Parameters always come from the program's mapping, never copied."""
+        specialized into it). Parameters always come from the program's mapping, never copied. `serves`: the
+        functions the model will run (None: any of its module, a shared model), which pick its executor."""
         where, manifest, target = context.where, resolved.manifest, resolved.target
         entry: CacheEntry | None = None
         encoded: dict[str, memoryview] = {}
@@ -362,13 +366,16 @@ class IreeBackend(Backend):
             code = None  # the specialized module
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
+            state_zeros = {e.parameter: e.nbytes for e in manifest.states}
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
-                                                 tune=_tunes(context, manifest), precision=resolved.precision)
+                                                 tune=_tunes(context, manifest), precision=resolved.precision,
+                                                 state_zeros=state_zeros)
         state = "restored"
+        calibration: dict | None = None
         if produce is not None:
             if resolved.cache is None:
                 result = produce(None)
-                module, state = result.module, "specialized"
+                module, state, calibration = result.module, "specialized", result.executors
                 encoded = {name: memoryview(array) for name, array in result.encoded.items()}
             else:
                 entry, state = resolved.cache.get_or_specialize(
@@ -381,17 +388,20 @@ class IreeBackend(Backend):
                     export_hash=manifest.export_hash,
                     precision=resolved.precision,
                 )
-                module, encoded = entry.module(), entry.encoded()
+                module, encoded, calibration = entry.module(), entry.encoded(), entry.executors
             code = code if code is not None else module
         if code is None:  # an mlir key's entry without a module: onecopy never writes one
             if entry is not None:
                 entry.close()
             raise DelegateError(f"{where}: the cache entry {resolved.key_prefix} holds no module; run `onecopy cache "
                                 "clear` and load again.")
+        driver = resolved.driver
+        if not driver:
+            functions = serves if serves is not None else list((calibration or {}).get("functions") or ())
+            driver = CPU_EXECUTORS[choose(calibration, functions) or "parallel"]
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
-                                state_zeros={e.parameter: e.nbytes for e in manifest.states},
-                                driver=resolved.driver or None)
+                                state_zeros={e.parameter: e.nbytes for e in manifest.states}, driver=driver)
         except BaseException:
             if entry is not None:
                 entry.close()

@@ -4,7 +4,8 @@
                                          a `vmfb` program, whose code runs from the program file: that entry
                                          holds the encoded weights only (the file still anchors the entry's lock)
     <dir>/v1/entries/<key>/encoded.bin   the weights encoded (packed) for this machine, each distinct page once
-    <dir>/v1/entries/<key>/entry.json    sizes, checksums, what it was built from and how it was tuned
+    <dir>/v1/entries/<key>/entry.json    sizes, checksums, what it was built from, how it was tuned and how fast
+                                         each function ran on each CPU executor
     <dir>/v1/entries/<key>/verified      stat stamp of encoded.bin at its last full check (see cache_publish)
     <dir>/v1/index.sqlite                size, last access and hits per entry (LRU eviction)
     <dir>/v1/locks/<key>.lock            cross-process "one specializes, the others wait"
@@ -62,8 +63,8 @@ class CacheEntry:
     """A restored entry held open: its files, mapped, and a shared lock that keeps eviction away until `close()`.
 
     The mappings are made from the open files, so they stay valid even if the entry is removed meanwhile.
-    `meta` is its entry.json: what it was built from, and `tuning` (the configuration chosen and its timings)
-    when the specialization was tuned.
+    `meta` is its entry.json: what it was built from, `tuning` (the configuration chosen and its timings)
+    when the specialization was tuned, and `executors` (each function timed on both CPU executors) on a CPU.
     """
 
     def __init__(self, key: str, path: Path, fd: int | None, maps: dict[str, mmap.mmap], meta: dict[str, Any]):
@@ -78,6 +79,10 @@ class CacheEntry:
     @property
     def tuning(self) -> dict[str, Any] | None:
         return self.meta.get("tuning")
+
+    @property
+    def executors(self) -> dict[str, Any] | None:
+        return self.meta.get("executors")
 
     def module(self) -> memoryview | None:
         """The specialized module's bytes, in place (page cache), for `VmModule.wrap_buffer`; None for an entry

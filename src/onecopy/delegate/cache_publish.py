@@ -194,7 +194,8 @@ def publish_entry(layout: CacheLayout, index: CacheIndex, key: str, result: "Spe
                 mapped.close()
         meta = {"key": key, "files": files, "encoded": encoded, "data_tiling": result.data_tiling,
                 "module": result.module is not None, "created": time.time(), "format": CACHE_FORMAT_VERSION,
-                **({"tuning": result.tuning} if result.tuning is not None else {}), **extra, **info}
+                **({"tuning": result.tuning} if result.tuning is not None else {}),
+                **({"executors": result.executors} if result.executors is not None else {}), **extra, **info}
         _write_synced(staging / META, json.dumps(meta, indent=1).encode())
         _fsync_dir(staging)
         os.rename(staging, layout.entries / key)

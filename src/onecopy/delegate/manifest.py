@@ -27,7 +27,8 @@ import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "Manifest", "StateEntry", "parse_manifest",
+__all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "READ_STATES", "RESET_STATES",
+           "STATE_FUNCTIONS", "WRITE_STATES", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
 BACKEND = "IreeBackend"  # the backend that reads these manifests: `DelegateDef.backend`
@@ -35,6 +36,10 @@ MANIFEST_VERSION = 1
 PACKAGINGS = ("mlir", "vmfb")
 PORTABLE = "portable"  # the bundle key of an `mlir` delegate
 PARAMETER_SCOPE = "model"
+# The functions a module holding state exports beside its methods (onecopy.export.state), which the host calls to
+# read, write and reset its states (onecopy.delegate.state).
+READ_STATES, WRITE_STATES, RESET_STATES = "onecopy_read_states", "onecopy_write_states", "onecopy_reset_states"
+STATE_FUNCTIONS = (READ_STATES, WRITE_STATES, RESET_STATES)
 
 
 class StateEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

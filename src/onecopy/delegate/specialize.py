@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,11 @@ import numpy as np
 
 from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
 from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
-from onecopy.delegate.manifest import PARAMETER_SCOPE
+from onecopy.delegate.executors import calibrate_models
+from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS
 from onecopy.delegate.precision import precision_flags
-from onecopy.delegate.targets import Target
-from onecopy.delegate.tuning import DEFAULT, Candidate, Runner, Tuning, candidates
+from onecopy.delegate.targets import CPU_EXECUTORS, Target
+from onecopy.delegate.tuning import DEFAULT, Candidate, Runner, Tuning, candidates, example_inputs, signatures
 from onecopy.delegate.tuning import tune as tuned
 from onecopy.errors import DelegateError
 from onecopy.runtime.copy_stats import CopyStats
@@ -65,6 +67,7 @@ class Specialization:
     encoded: dict[str, np.ndarray] = field(default_factory=dict)  # name in scope `encoded` -> bytes (uint8)
     data_tiling: bool = True
     tuning: dict | None = None  # the configuration chosen and every candidate's timing (see delegate/tuning.py)
+    executors: dict | None = None  # each function's latency on IREE's workers and inline (delegate/executors.py)
 
 
 def _encoder_flags(path: Path) -> list[str]:
@@ -175,11 +178,14 @@ def _run_encoder(encoder_vmfb: bytes | memoryview, parameters: Mapping[str, memo
 
 
 def specialize(source: memoryview, parameters: Mapping[str, memoryview], target: Target, where: str,
-               scratch: Path | None = None, *, tune: bool = False, precision: str = "fp32") -> Specialization:
+               scratch: Path | None = None, *, tune: bool = False, precision: str = "fp32",
+               state_zeros: Mapping[str, int] | None = None) -> Specialization:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
     bundle becomes code. `tune`: try the configurations of `onecopy.delegate.tuning` and keep the fastest.
     `precision` (onecopy.delegate.precision): every candidate is compiled in it, and tuning checks each against
-    the default candidate in the same precision.
+    the default candidate in the same precision. On a CPU target, each function of the result is then timed on
+    both executors (onecopy.delegate.executors); `state_zeros` serves the module's state (parameter -> bytes,
+    zeros) to those calls.
 
     `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
     use it to prove a load was restored.
@@ -199,6 +205,16 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
             return Specialization(compiled.module, data_tiling=compiled.data_tiling)
         return Specialization(compiled.module, _encode(compiled.encoder, parameters, target, where))
 
+    started = time.perf_counter()
+    made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
+    if target.compute_unit == "cpu":
+        made.executors = _calibrate_executors(source, made, parameters, target, where, state_zeros,
+                                              budget_s=min(max(0.1 * (time.perf_counter() - started), 0.1), 2.0))
+    return made
+
+
+def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization], parameters: Mapping[str, memoryview],
+                 target: Target, where: str, *, tune: bool, precision: str) -> Specialization:
     if not tune:
         return build(DEFAULT)
     options = candidates(source)
@@ -230,6 +246,28 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
             model.close()
     chosen.tuning = tuning.record()
     return chosen
+
+
+def _calibrate_executors(source: memoryview, made: Specialization, parameters: Mapping[str, memoryview],
+                         target: Target, where: str, state_zeros: Mapping[str, int] | None, budget_s: float) -> dict:
+    """Each public function of `made` timed on IREE's workers and on the calling thread, on random inputs of its
+    signature (dynamic dimensions: 1), for `choose` at every load (onecopy.delegate.executors)."""
+    try:
+        rng = np.random.default_rng(0)
+        # A module's state functions serve State.read/save/reset, rare calls next to its methods: not timed.
+        calls = {s.name: (example_inputs(s, rng), s.results) for s in signatures(source)
+                 if s.name not in STATE_FUNCTIONS}
+    except ValueError as e:
+        return {"functions": {}, "note": f"not calibrated: {e}"}
+    if not calls:
+        return {"functions": {}, "note": "not calibrated: no function to time"}
+    encoded = {name: memoryview(array) for name, array in made.encoded.items()}
+
+    def load(executor: str) -> LoadedModel:
+        return LoadedModel(made.module, parameters, target, f"{where} (calibrating {executor})", encoded=encoded,
+                           state_zeros=state_zeros, driver=CPU_EXECUTORS[executor])
+
+    return calibrate_models(load, calls, budget_s, where)
 
 
 def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onecopy.delegate.manifest import StateEntry
+from onecopy.delegate.manifest import READ_STATES, RESET_STATES, WRITE_STATES, StateEntry
 from onecopy.errors import ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
@@ -62,7 +62,7 @@ class EngineState:
     def read_all(self, names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Copies of the states `names` (None: all). The engine clones every state; only `names` are copied out."""
         order = list(self.entries)
-        function, results = self._invoke("onecopy_read_states", results=len(order))
+        function, results = self._invoke(READ_STATES, results=len(order))
         view = function.rt.HalBufferView
         return {name: function.copy_out(results.get_as_object(order.index(name), view), None, CopyStats())
                 for name in (names if names is not None else order)}
@@ -75,10 +75,10 @@ class EngineState:
         missing = [name for name in self.entries if name not in values]
         current = self.read_all(missing) if missing else {}
         arrays = [np.require(values[n] if n in values else current[n], requirements="C") for n in self.entries]
-        self._invoke("onecopy_write_states", arrays)
+        self._invoke(WRITE_STATES, arrays)
 
     def reset(self) -> None:
-        self._invoke("onecopy_reset_states")
+        self._invoke(RESET_STATES)
 
     def close(self) -> None:
         self.context = None  # its globals (the state's memory) go with it

@@ -59,10 +59,9 @@ TARGETS: dict[str, Target] = {
 }
 
 # How a CPU model runs its dispatches (backend option `executor`): "parallel" on IREE's task workers, one per core
-# (local-task); "inline" on the calling thread alone (local-sync), no worker to wake or wait for. Measured on the
-# built-in model, 2 cores (benchmarks/README.md, latency.py): inline has the same median at B=16 and a p90 of
-# 1.03x its median against ~2x on the workers, whose second worker gains nothing there; at B=1 the workers are
-# up to 1.3x faster in the median. The same compiled code runs on both.
+# (local-task); "inline" on the calling thread alone (local-sync), no worker to wake or wait for. The same compiled
+# code runs on both. "auto", the default, takes the one measured faster for the model's functions at
+# specialization (onecopy.delegate.executors, where the figures that make neither right everywhere are).
 CPU_EXECUTORS = {"parallel": "local-task", "inline": "local-sync"}
 
 _MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
@@ -159,13 +158,14 @@ def check_target_runs_here(target: Target, where: str) -> None:
 
 
 def runtime_driver(target: Target, executor: str | None, where: str) -> str:
-    """The HAL driver a model of `target` runs on: the target's own, or for a CPU target the one of `executor`."""
-    if executor is None:
-        return target.driver
+    """The HAL driver a model of `target` runs on: for a CPU target the one of `executor`, or "" when the load
+    picks it from the specialization's calibration (executor "auto" or unset); otherwise the target's own."""
+    if executor is None or executor == "auto":
+        return "" if target.compute_unit == "cpu" else target.driver
     if executor not in CPU_EXECUTORS:
         raise InvalidArgument(f"{where}: backend option executor='{executor}' is not one of "
-                              f"{', '.join(map(repr, CPU_EXECUTORS))}; use 'parallel' (IREE's workers, the default) "
-                              "or 'inline' (the calling thread).")
+                              f"{', '.join(map(repr, ('auto', *CPU_EXECUTORS)))}; use 'auto' (the default: the one "
+                              "measured faster here), 'parallel' (IREE's workers) or 'inline' (the calling thread).")
     if target.compute_unit != "cpu":
         raise InvalidArgument(f"{where}: backend option executor='{executor}' applies to CPU targets only; this "
                               f"delegate runs on {target.name}. Drop the option or use compute_units='cpu'.")

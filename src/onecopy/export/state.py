@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from onecopy.delegate.manifest import StateEntry
+from onecopy.delegate.manifest import READ_STATES, RESET_STATES, WRITE_STATES, StateEntry
 from onecopy.errors import ExportError
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
@@ -172,10 +172,10 @@ def stage_helpers(fxb, states: list[StateBinding]) -> None:
                 g.copy_(getattr(module, state.initial).clone())
         return torch.zeros(())
 
-    fxb.export_program(name="onecopy_read_states", args=(), strict=False)(read)
-    fxb.export_program(name="onecopy_write_states",
+    fxb.export_program(name=READ_STATES, args=(), strict=False)(read)
+    fxb.export_program(name=WRITE_STATES,
                        args=tuple(torch.zeros(state.shape, dtype=state.dtype) for state in states), strict=False)(write)
-    fxb.export_program(name="onecopy_reset_states", args=(), strict=False)(reset)
+    fxb.export_program(name=RESET_STATES, args=(), strict=False)(reset)
 
 
 def state_groups(partitions: list[Any], specs: Mapping[str, Any]) -> list[list[tuple[Any, str]]]:

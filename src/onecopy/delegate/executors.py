@@ -1,0 +1,131 @@
+"""Which executor runs a CPU model: IREE's task workers or the calling thread, measured once per machine.
+
+A CPU model runs its dispatches either on IREE's task workers, one per core ("parallel", HAL driver `local-task`),
+or on the calling thread alone ("inline", `local-sync`); the compiled code is the same. Neither is right for
+every function (benchmarks/README.md, latency.py and llm_decode.py, 2 cores):
+
+- a transformer encoder's dispatches split well across the workers: inline is 1.2-1.5x slower;
+- an LLM's decode step is a chain of small dispatches, each paying a wake-up of the workers: inline is 2x faster
+  (0.07 against 0.13 ms per token on the built-in tiny Llama);
+- the built-in model's B=16 prefill has the same median on both, but the workers' p90 is 2x their median and the
+  calling thread's 1.03x.
+
+So specialization times each public function of the module on both executors (`calibrate`) and the cache entry
+keeps the figures; a load picks the executor from them (`choose`), unless the user named one (backend option
+`executor`). The score of an executor is the mean latency of back-to-back calls, which counts the tail the
+workers' wake-ups add, not only the median. Where one model serves several functions (a shared multifunction
+model, or a module holding state, whose functions must run in the same VM contexts), one executor serves them
+all: the one whose geometric mean of time ratios over those functions is lower, so that each function counts
+alike whatever its absolute time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onecopy.errors import DelegateError, ExecutionError
+from onecopy.runtime.copy_stats import CopyStats
+
+__all__ = ["AUTO", "EXECUTORS", "calibrate", "calibrate_models", "choose", "describe"]
+
+log = logging.getLogger("onecopy")
+
+AUTO = "auto"
+EXECUTORS = ("parallel", "inline")
+_MIN_ROUNDS, _MAX_ROUNDS = 5, 200
+_CALLS_PER_BLOCK = 3  # back to back, as a caller making repeated calls (a decode loop) does
+
+
+# run(executor, function) makes one call of `function` on its example arguments; raises what the engine raises.
+Run = Callable[[str, str], Any]
+
+
+def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, Any]:
+    """Time every function of `functions` on each executor, in interleaved rounds
+    (executor order alternating) until at least `_MIN_ROUNDS` were run and `budget_s` is spent. Returns the record
+    the cache entry keeps: per function the mean and p90 (ms) of each executor, and the time it took."""
+    started = time.perf_counter()
+    times: dict[str, dict[str, list[float]]] = {f: {e: [] for e in EXECUTORS} for f in functions}
+    for executor in EXECUTORS:  # warm-up: the first call of a context loads its executables
+        for function in functions:
+            run(executor, function)
+    rounds = 0
+    while rounds < _MIN_ROUNDS or (rounds < _MAX_ROUNDS and time.perf_counter() - started < budget_s):
+        order = EXECUTORS if rounds % 2 == 0 else EXECUTORS[::-1]
+        for executor in order:
+            for function in functions:
+                for _ in range(_CALLS_PER_BLOCK):
+                    t = time.perf_counter()
+                    run(executor, function)
+                    times[function][executor].append(time.perf_counter() - t)
+        rounds += 1
+    functions = {}
+    for function, by_executor in times.items():
+        functions[function] = {}
+        for executor, samples in by_executor.items():
+            functions[function][f"{executor}_ms"] = round(statistics.fmean(samples) * 1e3, 4)
+            functions[function][f"{executor}_p90_ms"] = round(float(np.quantile(samples, 0.9)) * 1e3, 4)
+    return {"functions": functions, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
+
+
+def choose(record: Mapping[str, Any] | None, functions: Collection[str]) -> str | None:
+    """The executor to run `functions` (one model) on, from a calibration record; None when the record does not
+    cover them (no record, a function not timed): then the caller keeps its default."""
+    if not record:
+        return None
+    timed = record.get("functions") or {}
+    try:
+        ratios = [float(timed[f]["inline_ms"]) / float(timed[f]["parallel_ms"]) for f in functions]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not ratios or not all(r > 0 and math.isfinite(r) for r in ratios):
+        return None
+    return "inline" if math.exp(statistics.fmean(math.log(r) for r in ratios)) <= 1.0 else "parallel"
+
+
+def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Sequence[np.ndarray], int]],
+                     budget_s: float, where: str) -> dict[str, Any]:
+    """`calibrate` on models made by `load(executor)` (a LoadedModel on that executor's driver), closed after.
+    `calls`: function name -> (example arguments, number of results).
+    A function that cannot run on its example inputs leaves the record without figures (and a note): loads then
+    keep the default executor."""
+    models: dict[str, Any] = {}
+    functions: dict[tuple[str, str], Any] = {}
+
+    def run(executor: str, function: str) -> Any:
+        arrays, results = calls[function]
+        call = functions.get((executor, function))
+        if call is None:
+            call = functions[executor, function] = models[executor].function(function).copied_call(arrays, results)
+        return call(arrays, CopyStats())
+
+    try:
+        for executor in EXECUTORS:
+            models[executor] = load(executor)
+        record = calibrate(run, list(calls), budget_s)
+    except (RuntimeError, ValueError, DelegateError, ExecutionError) as e:
+        log.info("%s: executors not calibrated: %s", where, e)
+        return {"functions": {}, "note": f"not calibrated: its functions could not run on example inputs ({e})"}
+    finally:
+        for model in models.values():
+            model.close()
+    log.info("%s: executors calibrated in %.2f s: %s", where, record["elapsed_s"], describe(record))
+    return record
+
+
+def describe(record: Mapping[str, Any] | None) -> str:
+    """One line for logs and `onecopy inspect`: each function's mean latency on both executors."""
+    if not record:
+        return "not calibrated"
+    timed = record.get("functions") or {}
+    if not timed:
+        return str(record.get("note") or "not calibrated")
+    return ", ".join(f"{f} parallel {t['parallel_ms']:.3f} / inline {t['inline_ms']:.3f} ms "
+                     f"({choose(record, [f])})" for f, t in timed.items())

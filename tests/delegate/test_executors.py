@@ -1,0 +1,189 @@
+"""Executor calibration: each function timed on IREE's workers and on the calling thread at specialization, the
+faster one picked at every load (backend option executor="auto", the default), the user's choice kept."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import onecopy.delegate.executors as executors
+from onecopy import Runtime
+from onecopy.cli import main as cli
+from onecopy.delegate.executors import EXECUTORS, calibrate, choose
+from onecopy.delegate.manifest import STATE_FUNCTIONS
+from onecopy.export import CompileSpec, Partitioner, export_program
+from tests.conftest import accumulator_methods
+
+
+def record(**ratios: float) -> dict:
+    """A calibration record where each function takes 1 ms on the workers and `ratio` ms inline."""
+    return {"functions": {f: {"parallel_ms": 1.0, "inline_ms": r} for f, r in ratios.items()}}
+
+
+def test_each_function_gets_the_executor_with_the_lower_mean():
+    timed = record(decode=0.5, prefill=1.4)
+    assert choose(timed, ["decode"]) == "inline"
+    assert choose(timed, ["prefill"]) == "parallel"
+
+
+def test_one_model_serving_several_functions_weighs_each_alike():
+    # geometric mean: 0.5 x 1.4 -> 0.84 (inline), whatever the functions' absolute times
+    assert choose(record(decode=0.5, prefill=1.4), ["decode", "prefill"]) == "inline"
+    assert choose(record(decode=0.8, prefill=1.6), ["decode", "prefill"]) == "parallel"
+
+
+@pytest.mark.parametrize("timed, functions", [
+    (None, ["f"]), ({}, ["f"]), ({"functions": {}}, ["f"]), (record(g=0.5), ["f"]), (record(f=0.5), []),
+    ({"functions": {"f": {"parallel_ms": 0.0, "inline_ms": 1.0}}}, ["f"]),
+    ({"functions": {"f": {"parallel_ms": "x", "inline_ms": 1.0}}}, ["f"]),
+])
+def test_a_record_that_does_not_cover_the_functions_decides_nothing(timed, functions):
+    assert choose(timed, functions) is None
+
+
+def test_calibrate_times_every_function_on_both_executors_interleaved():
+    costs = {("parallel", "a"): 0.002, ("inline", "a"): 0.001, ("parallel", "b"): 0.001, ("inline", "b"): 0.003}
+    calls = []
+
+    def run(executor, function):
+        calls.append((executor, function))
+        time.sleep(costs[executor, function])
+
+    timed = calibrate(run, ["a", "b"], budget_s=0.0)
+    assert timed["rounds"] == 5  # the minimum, the budget being spent
+    assert {(e, f) for e, f in calls} == set(costs)
+    assert calls[-3 * 2:] != calls[:6]  # the order of executors alternates between rounds
+    a, b = timed["functions"]["a"], timed["functions"]["b"]
+    assert a["inline_ms"] < a["parallel_ms"] and b["inline_ms"] > b["parallel_ms"]
+    assert a["parallel_p90_ms"] >= 2.0
+    assert choose(timed, ["a"]) == "inline" and choose(timed, ["b"]) == "parallel"
+
+
+def drivers(program, *names):
+    return {name: d.model.driver for name in names for d in program.load_method(name)._delegates.values()}
+
+
+@pytest.fixture
+def fake_calibration(monkeypatch):
+    """Calibration returns `timed` instead of timing (the figures of a machine where they are known)."""
+    timed: dict = {}
+
+    def fake(load, calls, budget_s, where):
+        for executor in EXECUTORS:
+            load(executor).close()  # the real models are made and closed as they are when timed
+        return {"functions": {f: dict(timed[f]) for f in calls if f in timed}}
+
+    monkeypatch.setattr("onecopy.delegate.specialize.calibrate_models", fake)
+    return timed
+
+
+@pytest.fixture(scope="module")
+def multifunction_path(builtin, tmp_path_factory):
+    """The built-in model's forward and prefill as functions forward_0 and prefill_0 of one module."""
+    from onecopy.models import builtin_methods
+
+    return export_program(builtin_methods(builtin), partitioner=Partitioner(multifunction=True)).save(
+        tmp_path_factory.mktemp("executors") / "b.onecopy")
+
+
+def test_a_load_runs_each_function_on_the_executor_its_calibration_picked(multifunction_path, tmp_path,
+                                                                         fake_calibration):
+    fake_calibration.update({"forward_0": {"parallel_ms": 1.0, "inline_ms": 0.9},
+                             "prefill_0": {"parallel_ms": 1.0, "inline_ms": 1.2}})
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path) as program:
+        assert drivers(program, "forward", "prefill") == {"forward": "local-sync", "prefill": "local-task"}
+    # Explicit options win over the figures; every load uses the one entry made above.
+    for option, driver in (("parallel", "local-task"), ("inline", "local-sync")):
+        with Runtime(cache_dir=tmp_path).load_program(
+                multifunction_path, backend_options={"IreeBackend": {"executor": option}}) as program:
+            assert drivers(program, "forward", "prefill") == {"forward": driver, "prefill": driver}
+    assert len(list((tmp_path / "v1" / "entries").iterdir())) == 1
+
+
+def test_a_shared_model_runs_all_its_functions_on_one_executor(multifunction_path, tmp_path, fake_calibration):
+    fake_calibration.update({"forward_0": {"parallel_ms": 1.0, "inline_ms": 0.5},
+                             "prefill_0": {"parallel_ms": 1.0, "inline_ms": 1.4}})
+    options = {"IreeBackend": {"share_multifunction_model": True}}
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path, backend_options=options) as program:
+        assert drivers(program, "forward", "prefill") == {"forward": "local-sync", "prefill": "local-sync"}
+        (forward,) = program.load_method("forward")._delegates.values()
+        (prefill,) = program.load_method("prefill")._delegates.values()
+        assert forward.model is prefill.model  # one loaded model, as the option promises
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path) as program:  # not shared: each its own
+        assert drivers(program, "forward", "prefill") == {"forward": "local-sync", "prefill": "local-task"}
+
+
+def test_without_figures_a_load_runs_on_the_workers(small_program_path, tmp_path, fake_calibration):
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        assert drivers(program, "forward") == {"forward": "local-task"}
+
+
+def test_the_figures_are_measured_once_and_restored_with_the_entry(small_program_path, tmp_path, monkeypatch):
+    started = time.perf_counter()
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        picked = drivers(program, "forward")
+    cold = time.perf_counter() - started
+    (entry,) = (tmp_path / "v1" / "entries").iterdir()
+    timed = json.loads((entry / "entry.json").read_text())["executors"]
+    (function,) = timed["functions"]  # the module's one public function
+    figures = timed["functions"][function]
+    assert all(figures[f"{e}_ms"] > 0 and figures[f"{e}_p90_ms"] >= figures[f"{e}_ms"] * 0.5 for e in EXECUTORS)
+    assert timed["rounds"] >= 5 and timed["elapsed_s"] < cold
+    chosen = {"inline": "local-sync", "parallel": "local-task"}[choose(timed, [function])]
+    assert picked == {"forward": chosen}
+
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # a restore: no compile, no timing
+    monkeypatch.setattr(executors, "calibrate", lambda *a, **k: pytest.fail("a restore calibrated again"))
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        assert drivers(program, "forward") == {"forward": chosen}
+
+
+def test_without_a_cache_the_figures_of_this_load_pick(small_program_path, monkeypatch, fake_calibration):
+    monkeypatch.setenv("ONECOPY_DISABLE_CACHE", "1")
+    fake_calibration["main"] = {"parallel_ms": 1.0, "inline_ms": 0.5}  # a module of one method: its `main`
+    with Runtime().load_program(small_program_path) as program:
+        assert drivers(program, "forward") == {"forward": "local-sync"}
+
+
+def test_a_module_with_state_is_timed_with_its_state_served(accumulator, tmp_path, monkeypatch, rng):
+    """Its methods run in the pool's contexts while timed (state served as zeros); the state functions are not
+    timed; every State then runs on the one executor picked for the methods together."""
+    path = export_program(accumulator_methods(accumulator), compile_spec=CompileSpec(packaging="mlir"),
+                          partitioner=Partitioner(multifunction=True)).save(tmp_path / "acc.onecopy")
+    seen = {}
+    real = executors.calibrate
+
+    def spy(run, functions, budget_s):
+        seen["functions"] = list(functions)
+        return real(run, functions, budget_s)
+
+    monkeypatch.setattr(executors, "calibrate", spy)
+    xs = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(3)]
+    results = {}
+    for option in ("auto", "parallel", "inline"):
+        with Runtime(cache_dir=tmp_path / "cache").load_program(
+                path, backend_options={"IreeBackend": {"executor": option}}) as program:
+            decode, state = program.load_method("decode"), program.create_state()
+            results[option] = [decode.execute([x, np.array([i])], state=state)[0] for i, x in enumerate(xs)]
+            (delegate,) = decode._delegates.values()
+            if option == "auto":
+                timed = json.loads(next((tmp_path / "cache" / "v1" / "entries").iterdir()).joinpath(
+                    "entry.json").read_text())["executors"]
+                functions = sorted(timed["functions"])
+                picked = choose(timed, functions)
+                assert delegate.model.driver == {"inline": "local-sync", "parallel": "local-task"}[picked]
+    assert sorted(seen["functions"]) == functions == ["decode_0", "prefill_0"]
+    assert not set(functions) & set(STATE_FUNCTIONS)
+    for option in ("parallel", "inline"):
+        for got, want in zip(results[option], results["auto"]):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_inspect_shows_each_function_on_both_executors(small_program_path, tmp_path, capsys):
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        program.load_method("forward")
+    assert cli(["inspect", str(small_program_path), "--cache-dir", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "executors (mean latency, the faster): main parallel " in shown
+    assert " / inline " in shown and ("(inline)" in shown or "(parallel)" in shown)
