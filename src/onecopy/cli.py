@@ -59,48 +59,13 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from onecopy.delegate.executors import describe as describe_executors
-    from onecopy.inspect import describe_choice, describe_tuning, recorded_choices, specializations, summarize
+    from onecopy.inspect import report
     from onecopy.program import read_program
 
     loaded = read_program(args.file)
     try:
-        summary = summarize(loaded, os.path.getsize(args.file))
-        print(f"program {args.file}: {_mib(summary.file_bytes)}")
-        print(f"  code {_mib(summary.code_bytes)}, parameters {_mib(summary.parameter_bytes)} (each stored once)")
-        for method in summary.methods:
-            print(f"method {method['name']}: ({', '.join(method['inputs'])}) -> ({', '.join(method['outputs'])})")
-            for ins in method["instructions"]:
-                print(f"    {ins}")
-            if method.get("states"):
-                print(f"    state: {', '.join(method['states'])}")
-            for alt in method["alternatives"]:  # another engine that can run the method whole (prefer="latency")
-                print(f"    alternative: delegate {alt.delegate} {alt.backend}: IR {_mib(alt.model_bytes)}, constants "
-                      f"{_mib(alt.shared_bytes)} shared with IREE's parameters + {_mib(alt.own_bytes)} of its own")
-            if method["alternatives"]:
-                hashes = {*method["export_hashes"], *(a.export_hash for a in method["alternatives"])}
-                chosen = [r for r in recorded_choices(args.cache_dir)
-                          if r.get("method") == method["name"] and set(r.get("export_hashes", [])) <= hashes]
-                for record in chosen:
-                    print(f"    prefer=latency here: {describe_choice(record)}")
-                if not chosen:
-                    print("    prefer=latency here: not measured yet (the first such load times the delegates)")
-        for state in summary.states:  # kept by the engine between calls, updated in place
-            print(f"state {state}")
-        specialized = specializations([b.export_hash for b in summary.bundles], args.cache_dir)
-        for bundle in summary.bundles:
-            code = ", ".join(f"{key.rsplit('/', 1)[-1]} {_mib(n)}" for key, n in bundle.code_bytes.items())
-            print(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")
-            print(f"    functions: {', '.join(bundle.functions)} (delegates {', '.join(map(str, bundle.delegates))})")
-            print(f"    parameters: {len(bundle.parameters)} shared by its functions, {_mib(sum(bundle.parameters.values()))}")
-            if bundle.encoder_bytes:  # vmfb: the weights each CPU target's code reads packed, made once per machine
-                encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
-                print(f"    parameter encoders (pack the weights once per machine): {encoders}")
-            for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
-                print(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
-                      f"{describe_tuning(entry.tuning)}")
-                if entry.executors is not None:  # executor="auto" picks from these
-                    print(f"    executors (mean latency, the faster): {describe_executors(entry.executors)}")
+        for line in report(loaded, args.file, args.cache_dir):
+            print(line)
     finally:
         loaded.close()
     return 0

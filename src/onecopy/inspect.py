@@ -19,7 +19,7 @@ from onecopy.delegate.openvino.manifest import parse_manifest as parse_openvino_
 from onecopy.program import DelegateCall, HostOp, LoadedProgramFile
 
 __all__ = ["BundleSummary", "AlternativeSummary", "ProgramSummary", "SpecializationSummary", "describe_tuning",
-           "specializations", "summarize", "recorded_choices", "describe_choice"]
+           "specializations", "summarize", "recorded_choices", "describe_choice", "report"]
 
 
 @dataclass
@@ -193,3 +193,53 @@ def describe_tuning(tuning: dict[str, Any] | None) -> str:
     note = f"; {tuning['note']}" if tuning.get("note") else ""
     return (f"tuned: chose {tuning['chosen']} in {tuning.get('elapsed_s', 0):.1f} s{budget} "
             f"({'; '.join(trials)}){note}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def report(loaded: LoadedProgramFile, path: str | os.PathLike[str],
+           cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """`onecopy inspect`'s lines: the program's methods, states and bundles, and what this machine's cache made
+    of each bundle (tuning, executor timings) and chose for methods with alternatives."""
+    from onecopy.delegate.executors import describe as describe_executors
+
+    lines = []
+    summary = summarize(loaded, os.path.getsize(path))
+    lines.append(f"program {path}: {_mib(summary.file_bytes)}")
+    lines.append(f"  code {_mib(summary.code_bytes)}, parameters {_mib(summary.parameter_bytes)} (each stored once)")
+    for method in summary.methods:
+        lines.append(f"method {method['name']}: ({', '.join(method['inputs'])}) -> ({', '.join(method['outputs'])})")
+        lines.extend(f"    {ins}" for ins in method["instructions"])
+        if method.get("states"):
+            lines.append(f"    state: {', '.join(method['states'])}")
+        for alt in method["alternatives"]:  # another engine that can run the method whole (prefer="latency")
+            lines.append(f"    alternative: delegate {alt.delegate} {alt.backend}: IR {_mib(alt.model_bytes)}, "
+                         f"constants {_mib(alt.shared_bytes)} shared with IREE's parameters + {_mib(alt.own_bytes)} "
+                         "of its own")
+        if method["alternatives"]:
+            hashes = {*method["export_hashes"], *(a.export_hash for a in method["alternatives"])}
+            chosen = [r for r in recorded_choices(cache_dir)
+                      if r.get("method") == method["name"] and set(r.get("export_hashes", [])) <= hashes]
+            lines.extend(f"    prefer=latency here: {describe_choice(record)}" for record in chosen)
+            if not chosen:
+                lines.append("    prefer=latency here: not measured yet (the first such load times the delegates)")
+    lines.extend(f"state {state}" for state in summary.states)  # kept by the engine between calls, in place
+    specialized = specializations([b.export_hash for b in summary.bundles], cache_dir)
+    for bundle in summary.bundles:
+        code = ", ".join(f"{key.rsplit('/', 1)[-1]} {_mib(n)}" for key, n in bundle.code_bytes.items())
+        lines.append(f"bundle {bundle.export_hash[:12]} ({bundle.packaging}): {code}")
+        lines.append(f"    functions: {', '.join(bundle.functions)} "
+                     f"(delegates {', '.join(map(str, bundle.delegates))})")
+        lines.append(f"    parameters: {len(bundle.parameters)} shared by its functions, "
+                     f"{_mib(sum(bundle.parameters.values()))}")
+        if bundle.encoder_bytes:  # vmfb: the weights each CPU target's code reads packed, made once per machine
+            encoders = ", ".join(f"{target} {_mib(n)}" for target, n in bundle.encoder_bytes.items())
+            lines.append(f"    parameter encoders (pack the weights once per machine): {encoders}")
+        for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
+            lines.append(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
+                         f"{describe_tuning(entry.tuning)}")
+            if entry.executors is not None:  # executor="auto" picks from these
+                lines.append(f"    executors (mean latency, the faster): {describe_executors(entry.executors)}")
+    return lines
