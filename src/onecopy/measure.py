@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["memory", "Timing", "interleaved", "paired_ratio"]
+__all__ = ["memory", "release_free_memory", "Timing", "interleaved", "paired_ratio"]
 
 _FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File")
 
@@ -30,6 +30,23 @@ def memory(pid: int | str = "self") -> dict[str, int]:
             if len(parts) == 3 and parts[2] == "kB" and parts[0].rstrip(":") in _FIELDS:
                 found[parts[0].rstrip(":").lower()] = int(parts[1]) * 1024
     return found
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc `malloc_trim(0)`; nothing elsewhere) before a
+    `memory()` baseline. Otherwise what the process freed earlier (a load's temporaries) stays resident and serves
+    the allocations being measured, which then seem to cost nothing: 4 States of a 128 KiB cache measured +264 KiB
+    PSS without it, +1316 KiB with it (4 x (128 KiB cache + ~200 KiB of VM context))."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 @dataclass

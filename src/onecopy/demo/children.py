@@ -133,13 +133,14 @@ def _child_memory_llm(program: str, cache_dir: str) -> dict:
     """PSS/RSS growth (bytes) of 1 and then 4 States of one loaded program, one decode on each, over a process
     that already holds the program and a warmed-up State (kept: its freed pages would serve the next one)."""
     from onecopy import Runtime
-    from onecopy.measure import memory
+    from onecopy.measure import memory, release_free_memory
 
     with Runtime(cache_dir=cache_dir).load_program(program) as prog:
         decode = prog.load_method("decode")
         warm = prog.create_state()
         decode_one(decode, warm, 1, 0)
         gc.collect()
+        release_free_memory()  # else the States reuse what the load freed, and seem to cost nothing
         before = memory()
         states = []
         found = {}
