@@ -9,8 +9,10 @@ at two cache sizes:
   two k/v sets in turn) and with plain `InferenceSession.run`.
 
 Every peer's logits are checked against torch eager for a few steps before timing. The issue's targets: decode
-<= 0.75x ONNX Runtime per token, <= 0.5x torch eager. Then a step's cost with an 8 vs 128 MiB cache (a step must
-not cost more with a larger cache: the update runs in place).
+<= 0.75x ONNX Runtime per token, <= 0.5x torch eager. Then, at each cache size, one prefill of a 32-token prompt
+(the `prefill` method; ORT's [1, 32] step of the same wrapper; torch eager), checked against torch and timed the
+same way. Last, a step's cost with an 8 vs 128 MiB cache (a step must not cost more with a larger cache: the
+update runs in place).
 
     python benchmarks/llm_decode.py [--rounds 30] [--calls 20] [--sizes 64,2048]
 """
@@ -30,6 +32,8 @@ import numpy as np
 import torch
 
 import common
+
+PREFILL_TOKENS = 32  # one prefill call: a 32-token prompt
 
 
 class _Step(torch.nn.Module):
@@ -71,6 +75,70 @@ def update_scaling(sizes=(2048, 32768)) -> list[dict]:
         rows.append({"cache_mib": mib, "ms_per_step": round(statistics.median(blocks), 4)})
         print(f"in-place update, cache {mib:5.0f} MiB: {statistics.median(blocks):.3f} ms/step")
     return rows
+
+
+def _rounds(peers: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """ms per call of each peer (a block of `calls` calls), `rounds` times, in a shuffled order each round."""
+    times: dict[str, list[float]] = {name: [] for name in peers}
+    for fn in peers.values():  # warm-up
+        fn()
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(peers)
+        rng.shuffle(order)
+        for name in order:
+            time.sleep(0.005)
+            start = time.perf_counter()
+            peers[name]()
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return times
+
+
+def prefill_row(model, prog, eager, size: int, work: Path, rounds: int) -> dict:
+    """One prefill of PREFILL_TOKENS tokens from position 0 (the prompt's cost before the first token), onecopy vs
+    torch eager vs ONNX Runtime (the cache as inputs/outputs, a [1, PREFILL_TOKENS] step), each checked against
+    torch on a fresh cache first."""
+    from transformers import StaticCache
+
+    prefill, state = prog.load_method("prefill"), prog.create_state()
+    ort = common.OnnxRuntimeDecoder(model, size, work / f"prefill{size}.onnx", tokens=PREFILL_TOKENS)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, PREFILL_TOKENS)).astype(np.int64)
+    positions, tid = np.arange(PREFILL_TOKENS), torch.from_numpy(ids)
+    with torch.no_grad():
+        want = model(input_ids=tid, cache_position=torch.from_numpy(positions), use_cache=True,
+                     past_key_values=StaticCache(config=model.config, max_cache_len=size)).logits.numpy()
+    got = {"onecopy": prefill.execute([ids, positions], state=state)[0],
+           "onnxruntime IOBinding": ort.step_iobinding(ids, 0), "onnxruntime run": ort.step_run(ids, 0)}
+    diffs = {name: common.max_abs_diff(value, want) for name, value in got.items()}
+    if max(diffs.values()) > 1e-4:
+        raise SystemExit(f"a peer's prefill computes something else than torch: {diffs}")
+    default_threads = torch.get_num_threads()
+
+    def run_torch():
+        with torch.no_grad():
+            eager.model(input_ids=tid, cache_position=torch.from_numpy(positions))
+
+    def run_torch_1t():
+        torch.set_num_threads(1)
+        try:
+            run_torch()
+        finally:
+            torch.set_num_threads(default_threads)
+
+    def run_ort_run():
+        ort.reset()  # an empty cache each time, as the other peers' prefill writes positions 0.. again
+        ort.step_run(ids, 0)
+
+    peers = {"onecopy": lambda: prefill.execute([ids, positions], state=state), "torch": run_torch,
+             "torch 1 thread": run_torch_1t, "onnxruntime IOBinding": lambda: ort.step_iobinding(ids, 0),
+             "onnxruntime run": run_ort_run}
+    times = _rounds(peers, rounds, 1)
+    state.close()
+    ort_best = max(("onnxruntime IOBinding", "onnxruntime run"), key=lambda m: _paired(times, "onecopy", m))
+    return {"tokens": PREFILL_TOKENS, "ms": {k: round(statistics.median(v), 4) for k, v in times.items()},
+            "max_abs_diff_logits_vs_torch": diffs, "ort_best_mode": ort_best,
+            "onecopy_over": {peer: _paired(times, "onecopy", peer) for peer in peers if peer != "onecopy"},
+            "onecopy_over_ort_interval_95": _interval(times, "onecopy", ort_best)}
 
 
 def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
@@ -118,7 +186,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["ONECOPY_CACHE_DIR"] = str(Path(tmp) / "cache")
         for size in (int(s) for s in args.sizes.split(",")):
-            path = export_llm(model, max_cache_len=size, prefill_tokens=8).save(Path(tmp) / f"llm{size}.onecopy")
+            path = export_llm(model, max_cache_len=size, prefill_tokens=PREFILL_TOKENS).save(
+                Path(tmp) / f"llm{size}.onecopy")
             prog = Runtime(cache_dir=Path(tmp) / "cache").load_program(path)
             decode = prog.load_method("decode")
             state = prog.create_state()
@@ -202,18 +271,7 @@ def main() -> None:
 
             peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch, "torch 1 thread": run_torch_1t,
                      "onnxruntime IOBinding": run_ort_iobinding, "onnxruntime run": run_ort_run}
-            times = {name: [] for name in peers}
-            for fn in peers.values():  # warm-up
-                fn()
-            rng = random.Random(0)
-            for _ in range(args.rounds):
-                order = list(peers)
-                rng.shuffle(order)
-                for name in order:
-                    time.sleep(0.005)
-                    start = time.perf_counter()
-                    peers[name]()
-                    times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+            times = _rounds(peers, args.rounds, args.calls)
             medians = {name: statistics.median(t) for name, t in times.items()}
             # ORT's best configuration: the mode onecopy compares worst with (paired by round).
             ort_best = max(("onnxruntime IOBinding", "onnxruntime run"), key=lambda m: _paired(times, "onecopy", m))
@@ -229,10 +287,11 @@ def main() -> None:
                 _target("decode per token, onecopy / torch eager (default threads)", times, "torch", 0.5),
                 _target("decode per token, onecopy / torch eager 1 thread (information)", times, "torch 1 thread", 0.5),
             ]
+            prefill = prefill_row(model, prog, eager, size, Path(tmp), args.rounds)
             rows.append({"max_cache_len": size, "cache_mib": round(cache_mib, 3),
                          "ms_per_token": {k: round(v, 4) for k, v in medians.items()},
                          "max_abs_diff_logits_vs_torch": diffs, "ort_best_mode": ort_best, **ratios,
-                         "targets": targets})
+                         "targets": targets, "prefill": prefill})
             common.print_table(
                 ["peer", "ms/token", "onecopy ÷ peer (paired)"],
                 [[name, f"{medians[name]:.3f}", "" if name == "onecopy" else f"{_paired(times, 'onecopy', name):.3f}"]
@@ -241,6 +300,12 @@ def main() -> None:
             for t in targets:
                 print(f"  {t['name']} [{t['peer']}]: {t['value']:.3f} [{t['interval_95'][0]:.3f}-"
                       f"{t['interval_95'][1]:.3f}] (target <= {t['threshold']}: {t['verdict']})")
+            common.print_table(
+                ["peer", "ms per prefill", "onecopy ÷ peer (paired)"],
+                [[name, f"{ms:.3f}", "" if name == "onecopy" else f"{prefill['onecopy_over'][name]:.3f}"]
+                 for name, ms in prefill["ms"].items()],
+                title=f"prefill of {PREFILL_TOKENS} tokens, max_cache_len {size}, {args.rounds} rounds "
+                      f"(max |logits - torch| {max(prefill['max_abs_diff_logits_vs_torch'].values()):.1e})")
             prog.close()
     scaling = update_scaling()
     machine["load_average_end"] = list(os.getloadavg())

@@ -77,9 +77,10 @@ class OnnxRuntimeDecoder:
     `step_iobinding` (what the benchmark times): IOBinding with every input and output bound to preallocated
     buffers, two k/v sets used in turn (one step reads A and writes B, the next reads B and writes A), so nothing
     is allocated or copied between steps; the logits are copied out, as onecopy returns a fresh array.
-    `step_run`: plain `InferenceSession.run` with numpy feeds, the outputs fed back."""
+    `step_run`: plain `InferenceSession.run` with numpy feeds, the outputs fed back. `tokens`: how many tokens a
+    step takes (1: a decode step; more: a prefill of that many, input_ids [1, tokens], cache_position [tokens])."""
 
-    def __init__(self, model, max_cache_len: int, path: Path):
+    def __init__(self, model, max_cache_len: int, path: Path, tokens: int = 1):
         import io
         import logging
 
@@ -115,7 +116,8 @@ class OnnxRuntimeDecoder:
         self.input_names = ["input_ids", "cache_position", *self.kv_names]
         self.output_names = ["logits", *[n.replace("past", "present") for n in self.kv_names]]
         self.kv_shape = (1, kv_heads, max_cache_len, head_dim)
-        example = (torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]),
+        self.tokens = tokens
+        example = (torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens),
                    *[torch.zeros(self.kv_shape) for _ in self.kv_names])
         logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         wrapper = KVStep().eval()
@@ -134,8 +136,8 @@ class OnnxRuntimeDecoder:
         self.intra_op_threads = self.session.get_session_options().intra_op_num_threads
         vocab = int(config.vocab_size)
         # IOBinding: the token and position are numpy arrays shared with their OrtValues, rewritten in place.
-        self.ids, self.pos = np.zeros((1, 1), np.int64), np.zeros(1, np.int64)
-        self.logits = np.zeros((1, 1, vocab), np.float32)
+        self.ids, self.pos = np.zeros((1, tokens), np.int64), np.zeros(tokens, np.int64)
+        self.logits = np.zeros((1, tokens, vocab), np.float32)
         sets = [[np.zeros(self.kv_shape, np.float32) for _ in self.kv_names] for _ in range(2)]
         value = ort.OrtValue.ortvalue_from_numpy
         self._kv_sets = sets
@@ -164,7 +166,7 @@ class OnnxRuntimeDecoder:
 
     def step_iobinding(self, ids, position):
         self.ids[...] = ids
-        self.pos[0] = position
+        self.pos[...] = range(position, position + self.tokens)
         self.session.run_with_iobinding(self._bindings[self._turn])
         self._turn ^= 1
         return self.logits.copy()
@@ -172,7 +174,8 @@ class OnnxRuntimeDecoder:
     def step_run(self, ids, position):
         import numpy as np
 
-        outs = self.session.run(None, dict(zip(self.input_names, [ids, np.array([position]), *self._feeds])))
+        positions = np.arange(position, position + self.tokens)
+        outs = self.session.run(None, dict(zip(self.input_names, [ids, positions, *self._feeds])))
         self._feeds = outs[1:]
         return outs[0]
 

@@ -201,7 +201,10 @@ def test_program_from_bytes(small_program, small_model, rng):
     np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_concurrent_calls_on_one_method_are_exact(forward, small_model, rng):
+@pytest.mark.parametrize("executor", ["parallel", "inline"])
+def test_concurrent_calls_on_one_method_are_exact(small_program_path, small_model, rng, executor):
+    program = Runtime().load_program(small_program_path, backend_options={"IreeBackend": {"executor": executor}})
+    forward = program.load_method("forward")
     xs = [rng.standard_normal((1, 64), dtype=np.float32) for _ in range(4)]
     expected = [eager(small_model, x)[0] for x in xs]
     errors = []
@@ -217,6 +220,7 @@ def test_concurrent_calls_on_one_method_are_exact(forward, small_model, rng):
         t.start()
     for t in threads:
         t.join()
+    program.close()
     assert errors == []
 
 

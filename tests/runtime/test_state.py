@@ -29,10 +29,12 @@ def rows(rng, n):
     return rng.standard_normal((n, 16), dtype=np.float32)
 
 
-@pytest.fixture
-def prog(stateful_program):
+@pytest.fixture(params=["parallel", "inline"])
+def prog(stateful_program, request):
+    """The stateful program on each CPU executor: which one the default picks depends on timings, so both are
+    tested explicitly (IREE's workers, and the calling thread)."""
     path, _, _ = stateful_program
-    with Runtime().load_program(path) as program:
+    with Runtime().load_program(path, backend_options={"IreeBackend": {"executor": request.param}}) as program:
         yield program
 
 
