@@ -1,10 +1,14 @@
-"""The engine adapter: what creating onecopy's CPU device costs a process, and where its workers run."""
+"""The engine adapter: what creating onecopy's CPU device costs a process, where its workers run, and how it
+allocates."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.engine import task_executor_flags
@@ -75,3 +79,39 @@ def test_a_users_topology_flags_decide_the_workers():
         f"--task_worker_local_memory={64 * 1024}"]
     assert task_executor_flags("--task_worker_local_memory=1") == [
         f"--task_topology_group_count={worker_count()}"]
+
+
+def _allocate_and_free(device, nbytes: int) -> None:
+    import iree.runtime as rt
+    import numpy as np
+
+    buffer = device.allocator.allocate_buffer_copy(
+        memory_type=rt.MemoryType.DEVICE_LOCAL, allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING,
+        device=device, buffer=np.ones(nbytes // 4, np.float32), element_type=rt.HalElementType.FLOAT_32)
+    del buffer
+
+
+@pytest.mark.parametrize("driver", ["local-task", "local-sync"])
+def test_a_cpu_device_serves_a_call_from_the_buffers_earlier_calls_freed(driver):
+    from onecopy.delegate.engine import hal_device
+
+    device = hal_device(driver)
+    _allocate_and_free(device, 12_000)  # a buffer of this size is now in the pool, if it was not already
+    allocated = device.allocator.statistics["device_bytes_allocated"]
+    for _ in range(5):
+        _allocate_and_free(device, 12_000)
+    assert device.allocator.statistics["device_bytes_allocated"] == allocated  # all five from the pool
+
+
+def test_a_result_kept_by_the_caller_is_never_overwritten_by_later_calls(small_program_path, small_model, rng):
+    from onecopy import Runtime
+    from tests.conftest import eager
+
+    xs = [rng.standard_normal((1, 64), dtype=np.float32) for _ in range(6)]
+    for executor in ("parallel", "inline"):
+        with Runtime().load_program(small_program_path,
+                                    backend_options={"IreeBackend": {"executor": executor}}) as program:
+            forward = program.load_method("forward")
+            kept = [forward.execute([x])[0] for x in xs]  # each call's buffers go back to the pool after it
+            for x, y in zip(xs, kept):
+                np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-4, atol=1e-5)
