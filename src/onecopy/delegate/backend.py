@@ -15,6 +15,7 @@ from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabl
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
+from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.executors import choose
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.specialize import Specialization, encode, specialize
@@ -398,7 +399,7 @@ class IreeBackend(Backend):
         driver = resolved.driver
         if not driver:
             functions = serves if serves is not None else list((calibration or {}).get("functions") or ())
-            driver = CPU_EXECUTORS[choose(calibration, functions) or "parallel"]
+            driver = CPU_EXECUTORS[choose(calibration, functions, worker_count()) or "parallel"]
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
                                 state_zeros={e.parameter: e.nbytes for e in manifest.states}, driver=driver)

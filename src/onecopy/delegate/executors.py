@@ -16,7 +16,8 @@ keeps the figures; a load picks the executor from them (`choose`), unless the us
 workers' wake-ups add, not only the median. Where one model serves several functions (a shared multifunction
 model, or a module holding state, whose functions must run in the same VM contexts), one executor serves them
 all: the one whose geometric mean of time ratios over those functions is lower, so that each function counts
-alike whatever its absolute time.
+alike whatever its absolute time. The record names the number of task workers it was measured with; a process
+with another number (another CPU quota, same CPU) does not use it and runs on the workers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate.cpus import worker_count
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
@@ -75,10 +77,14 @@ def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, 
     return {"functions": functions, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
 
 
-def choose(record: Mapping[str, Any] | None, functions: Collection[str]) -> str | None:
+def choose(record: Mapping[str, Any] | None, functions: Collection[str], workers: int | None = None) -> str | None:
     """The executor to run `functions` (one model) on, from a calibration record; None when the record does not
-    cover them (no record, a function not timed): then the caller keeps its default."""
+    cover them (no record, a function not timed) or was measured with another number of task workers than
+    `workers` (a cache directory shared by containers of different CPU quotas): then the caller keeps its
+    default."""
     if not record:
+        return None
+    if workers is not None and record.get("workers") not in (None, workers):
         return None
     timed = record.get("functions") or {}
     try:
@@ -109,7 +115,7 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
     try:
         for executor in EXECUTORS:
             models[executor] = load(executor)
-        record = calibrate(run, list(calls), budget_s)
+        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count()}
     except (RuntimeError, ValueError, DelegateError, ExecutionError) as e:
         log.info("%s: executors not calibrated: %s", where, e)
         return {"functions": {}, "note": f"not calibrated: its functions could not run on example inputs ({e})"}
