@@ -4,9 +4,9 @@ A CPU model runs its dispatches either on IREE's task workers, one per core ("pa
 or on the calling thread alone ("inline", `local-sync`); the compiled code is the same. Neither is right for
 every function (benchmarks/README.md, latency.py and llm_decode.py, 2 cores):
 
-- a transformer encoder's dispatches split well across the workers: inline is 1.2-1.5x slower;
-- an LLM's decode step is a chain of small dispatches, each paying a wake-up of the workers: inline is 2x faster
-  (0.07 against 0.13 ms per token on the built-in tiny Llama);
+- a transformer encoder's dispatches split well across the workers: inline is 1.3x (B=1) to 2x (B=16) slower;
+- an LLM's decode step is a chain of small dispatches, each paying a wake-up of the workers: inline is 2-2.7x
+  faster (0.05 against 0.13 ms per token on the tiny Llama of llm_decode.py);
 - the built-in model's B=16 prefill has the same median on both, but the workers' p90 is 2x their median and the
   calling thread's 1.03x.
 
@@ -35,11 +35,10 @@ from onecopy.delegate.cpus import worker_count
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["AUTO", "EXECUTORS", "calibrate", "calibrate_models", "choose", "describe"]
+__all__ = ["EXECUTORS", "calibrate", "calibrate_models", "choose", "describe"]
 
 log = logging.getLogger("onecopy")
 
-AUTO = "auto"
 EXECUTORS = ("parallel", "inline")
 _MIN_ROUNDS, _MAX_ROUNDS = 5, 200
 _CALLS_PER_BLOCK = 3  # back to back, as a caller making repeated calls (a decode loop) does
@@ -50,9 +49,9 @@ Run = Callable[[str, str], Any]
 
 
 def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, Any]:
-    """Time every function of `functions` on each executor, in interleaved rounds
-    (executor order alternating) until at least `_MIN_ROUNDS` were run and `budget_s` is spent. Returns the record
-    the cache entry keeps: per function the mean and p90 (ms) of each executor, and the time it took."""
+    """Time every function of `functions` on each executor, in interleaved rounds (executor order alternating)
+    until at least `_MIN_ROUNDS` were run and `budget_s` is spent. Returns the record the cache entry keeps: per
+    function the mean and p90 (ms) of each executor, and the time it took."""
     started = time.perf_counter()
     times: dict[str, dict[str, list[float]]] = {f: {e: [] for e in EXECUTORS} for f in functions}
     for executor in EXECUTORS:  # warm-up: the first call of a context loads its executables
@@ -68,13 +67,13 @@ def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, 
                     run(executor, function)
                     times[function][executor].append(time.perf_counter() - t)
         rounds += 1
-    functions = {}
+    figures: dict[str, dict[str, float]] = {}
     for function, by_executor in times.items():
-        functions[function] = {}
+        figures[function] = {}
         for executor, samples in by_executor.items():
-            functions[function][f"{executor}_ms"] = round(statistics.fmean(samples) * 1e3, 4)
-            functions[function][f"{executor}_p90_ms"] = round(float(np.quantile(samples, 0.9)) * 1e3, 4)
-    return {"functions": functions, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
+            figures[function][f"{executor}_ms"] = round(statistics.fmean(samples) * 1e3, 4)
+            figures[function][f"{executor}_p90_ms"] = round(float(np.quantile(samples, 0.9)) * 1e3, 4)
+    return {"functions": figures, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
 
 
 def choose(record: Mapping[str, Any] | None, functions: Collection[str], workers: int | None = None) -> str | None:
