@@ -99,6 +99,23 @@ def test_bench_prints_latency_percentiles(small_program_path, capsys):
     assert main(["bench", str(small_program_path), "--runs", "5", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
     assert "p50 ms" in out and "forward" in out and "prefill" in out and "float32[16, 64]" in out
+    assert "executor auto" in out
+
+
+def test_bench_runs_on_the_executor_asked(small_program_path, capsys, monkeypatch):
+    import onecopy.delegate.backend as backend
+
+    drivers = []
+    real = backend.LoadedModel
+
+    def recording(*args, **kwargs):
+        drivers.append(kwargs.get("driver"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "LoadedModel", recording)
+    assert main(["bench", str(small_program_path), "--runs", "2", "--warmup", "1", "--executor", "inline"]) == 0
+    assert "executor inline" in capsys.readouterr().out
+    assert drivers and set(drivers) == {"local-sync"}
 
 
 

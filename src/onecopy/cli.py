@@ -170,8 +170,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from onecopy.runtime import Runtime
 
-    options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
-    title = f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up), {args.precision}"
+    iree = {"compute_units": args.compute_units} if args.compute_units else {}
+    iree.update({"executor": args.executor} if args.executor else {})
+    options = {"IreeBackend": iree} if iree else None
+    title = (f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up), {args.precision}, "
+             f"executor {args.executor or 'auto'}")
     table = Table(title=title)
     columns = ["method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms"]
     # Another precision than fp32 changes the answers: each method's outputs are compared with an fp32 load's on
@@ -303,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="compute precision (bf16: CPUs with native bf16); not fp32: also the error against fp32")
+    p.add_argument("--executor", choices=("auto", "parallel", "inline"),
+                   help="CPU executor (default auto: each method on the one measured faster at its first load)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("export", help="export a model's methods into one program file")
