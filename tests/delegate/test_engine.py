@@ -76,7 +76,9 @@ def test_a_users_topology_flags_decide_the_workers():
     seen = run_probe(WORKERS_PROBE, "--task_topology_group_count=1")
     assert list(seen["workers"]) == ["iree-worker-0"]
     assert task_executor_flags("--task_topology_mode=physical_cores") == [
-        f"--task_worker_local_memory={64 * 1024}"]
+        f"--task_worker_local_memory={64 * 1024}", "--task_topology_mode=physical_cores"]
+    assert task_executor_flags("--task_topology_mode=physical_cores", workers=3) == [
+        f"--task_worker_local_memory={64 * 1024}", "--task_topology_group_count=3"]
     assert task_executor_flags("--task_worker_local_memory=1") == [
         f"--task_topology_group_count={worker_count()}"]
 

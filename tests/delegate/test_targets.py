@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -102,3 +104,47 @@ def test_an_unknown_executor_fails_the_load_naming_the_method(small_program_path
             small_program_path, backend_options={"IreeBackend": {"executor": "fast"}}) as program:
         with pytest.raises(InvalidArgument, match=r"Method 'forward'.*executor='fast' is not one of"):
             program.load_method("forward")
+
+
+def test_threads_run_on_the_workers_and_contradict_inline():
+    assert runtime_driver(TARGETS["x86_64"], None, "here", threads=1) == "local-task"
+    assert runtime_driver(TARGETS["x86_64"], "auto", "here", threads=3) == "local-task"
+    assert runtime_driver(TARGETS["x86_64"], "parallel", "here", threads=3) == "local-task"
+    with pytest.raises(InvalidArgument, match=r"here: backend options threads=2 and executor='inline' contradict"):
+        runtime_driver(TARGETS["x86_64"], "inline", "here", threads=2)
+    for bad in (0, -1, True):
+        with pytest.raises(InvalidArgument, match=r"threads=.* must be a positive int"):
+            runtime_driver(TARGETS["x86_64"], None, "here", threads=bad)
+    with pytest.raises(InvalidArgument, match=r"threads applies to CPU targets only; this delegate runs on vulkan"):
+        runtime_driver(TARGETS["vulkan"], None, "here", threads=2)
+
+
+THREADS_PROBE = """
+import json, os, sys, time
+import numpy as np
+from onecopy import Runtime
+with Runtime(cache_dir=sys.argv[2]).load_program(sys.argv[1], backend_options={"IreeBackend": {"threads": 1}}) as p:
+    forward = p.load_method("forward")
+    y = forward.execute([np.ones(forward.method_meta.inputs[0].shape, np.float32)])[0]
+    (delegate,) = forward._delegates.values()
+    time.sleep(0.2)  # the workers name themselves as they start
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    print(json.dumps({"driver": delegate.model.driver, "workers": [n for n in names if n.startswith("iree-worker")],
+                      "sum": float(y.sum())}))
+"""
+
+
+def test_threads_start_that_many_task_workers(small_program_path, small_model, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as warm:  # specialized (and timed) here
+        warm.load_method("forward")
+    done = subprocess.run([sys.executable, "-c", THREADS_PROBE, str(small_program_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "ONECOPY_FORBID_SPECIALIZE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["driver"] == "local-task" and seen["workers"] == ["iree-worker-0"]  # one worker, not one per core
+    want = eager(small_model, np.ones((1, 64), np.float32))[0]
+    assert abs(seen["sum"] - float(want.sum())) < 1e-3 * max(1.0, abs(float(want.sum())))

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from onecopy.delegate.cache import CacheEntry, SpecializationCache, cache_disabled, cache_key, open_cache
 from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
-from onecopy.delegate.engine import EngineFunction, LoadedModel, compiler_version, runtime_version
+from onecopy.delegate.cache import CacheEntry
 from onecopy.delegate.cpus import worker_count
+from onecopy.delegate.engine import EngineFunction, LoadedModel
 from onecopy.delegate.executors import choose
 from onecopy.delegate.invocation import Invocation, call, call_copied
-from onecopy.delegate.specialize import Specialization, encode, specialize
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
-from onecopy.delegate.precision import check_precision_runs_here, precision_flags
-from onecopy.delegate.targets import (
-    CPU_EXECUTORS, Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver,
-    select_target,
-)
+from onecopy.delegate.resolution import Resolved, resolve, tunes
 from onecopy.delegate.shared_models import shared_models
+from onecopy.delegate.specialize import Specialization, encode, specialize
+from onecopy.delegate.targets import CPU_EXECUTORS
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
 from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary
@@ -172,38 +168,6 @@ class IreeDelegate(DelegateHandle):
         return function is not None and bool(function.bindings)
 
 
-def _tunes(context: InitContext, manifest: Manifest) -> bool:
-    """Whether specialization tries several configurations (onecopy.delegate.tuning). Not for a module holding
-    state: timing it would need its state served too, and such modules (LLMs) hold no convolution to tune."""
-    return bool(context.backend_options.get("tune", True)) and not manifest.states
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    """Where and from what a delegate's model loads, decided before loading (and before the shared table)."""
-
-    manifest: Manifest
-    units: str
-    target: Target
-    cache: SpecializationCache | None
-    cache_key: str | None
-    precision: str = "fp32"
-    driver: str = ""  # the HAL driver the model runs on; "" on a CPU: the executor measured faster (executors.py)
-
-    @property
-    def key_prefix(self) -> str:
-        return (self.cache_key or self.manifest.export_hash)[:12]
-
-    def table_key(self) -> Hashable:
-        """Key of the shared-model table: (cache directory identity, cache key). A vmfb bundle without a cache entry
-        (no parameter encoder for its target, or the cache disabled) runs from the program file alone, so its model
-        is identified by export hash, target and compute units instead."""
-        if self.cache is not None:
-            return (self.cache.identity, self.cache_key, self.driver)
-        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision,
-                self.driver)
-
-
 class IreeBackend(Backend):
     name = "IreeBackend"
     options = {
@@ -214,6 +178,7 @@ class IreeBackend(Backend):
         "bound_surfaces": str,
         "tune": bool,
         "executor": str,
+        "threads": int,
     }
 
     @staticmethod
@@ -262,7 +227,7 @@ class IreeBackend(Backend):
                 "with Partitioner(multifunction=True): this delegate has a module of its own, so there is no model "
                 "to share. Re-export with multifunction=True, or drop the option."
             )
-        resolved = self._resolve(context, parsed)
+        resolved = resolve(context, parsed)
         started = time.perf_counter()
         # The functions of a module holding state must run in the same VM contexts (a State's), so every delegate
         # of it uses one loaded model: shared, whatever the option says (a shared model shares weights, never
@@ -297,47 +262,7 @@ class IreeBackend(Backend):
         return delegate
 
     @staticmethod
-    def _resolve(context: InitContext, manifest: Manifest) -> _Resolved:
-        where = context.where
-        units = context.backend_options.get("compute_units", manifest.compute_units)
-        precision = context.precision
-        if manifest.packaging == "vmfb":
-            check_precision_runs_here(precision, compute_unit="cpu", packaging="vmfb", cpu_flags=(), where=where)
-            target = select_target(units, where, candidates=tuple(manifest.bundle))
-            check_target_runs_here(target, where)
-            driver = runtime_driver(target, context.backend_options.get("executor"), where)
-            # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
-            if target.name not in manifest.encoders or cache_disabled():
-                return _Resolved(manifest, units, target, None, None, precision, driver)
-            # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
-            # compiler is involved, nor needed, on a device loading a vmfb program.
-            features, engine = host_features(target), f"runtime {runtime_version()}"
-        else:
-            target = select_target(units, where)
-            driver = runtime_driver(target, context.backend_options.get("executor"), where)
-            check_precision_runs_here(precision, compute_unit=target.compute_unit, packaging="mlir",
-                                      cpu_flags=cpu_flags(), where=where)
-            if cache_disabled():
-                return _Resolved(manifest, units, target, None, None, precision, driver)
-            flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
-            features = host_features(target) + "|" + " ".join(flags)
-            features += "|tuned" if _tunes(context, manifest) else ""
-            features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
-            engine = compiler_version()
-        options = context.backend_options
-        cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
-        key = cache_key(
-            export_hash=manifest.export_hash,
-            packaging=manifest.packaging,
-            compute_units=units,
-            target=target.name,
-            features=features,
-            compiler=engine,
-        )
-        return _Resolved(manifest, units, target, cache, key, precision, driver)
-
-    @staticmethod
-    def _load(context: InitContext, resolved: _Resolved, serves: Sequence[str] | None) -> LoadedModel:
+    def _load(context: InitContext, resolved: Resolved, serves: Sequence[str] | None) -> LoadedModel:
         """Build the model: vmfb code in place from the program file, with the weights its encoder packs restored
         from the cache entry (or encoded into it); mlir code and packed weights restored from the cache entry (or
         specialized into it). Parameters always come from the program's mapping, never copied. `serves`: the
@@ -369,7 +294,7 @@ class IreeBackend(Backend):
             _named(context.named_data, source_key, "bundle", where)
             state_zeros = {e.parameter: e.nbytes for e in manifest.states}
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
-                                                 tune=_tunes(context, manifest), precision=resolved.precision,
+                                                 tune=tunes(context, manifest), precision=resolved.precision,
                                                  state_zeros=state_zeros)
         state = "restored"
         calibration: dict | None = None
@@ -402,7 +327,8 @@ class IreeBackend(Backend):
             driver = CPU_EXECUTORS[choose(calibration, functions, worker_count()) or "parallel"]
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
-                                state_zeros={e.parameter: e.nbytes for e in manifest.states}, driver=driver)
+                                state_zeros={e.parameter: e.nbytes for e in manifest.states}, driver=driver,
+                                workers=resolved.workers)
         except BaseException:
             if entry is not None:
                 entry.close()

@@ -82,7 +82,7 @@ def vm_instance() -> Any:
 TASK_WORKER_LOCAL_MEMORY = 64 * 1024
 
 
-def task_executor_flags(user_flags: str) -> list[str]:
+def task_executor_flags(user_flags: str, workers: int | None = None) -> list[str]:
     """The flags onecopy gives IREE's task executor, unless the user's IREE_PY_RUNTIME_FLAGS set their own.
 
     Workers unpinned (`--task_topology_group_count`): IREE pins one worker to each core by default, and the
@@ -95,15 +95,19 @@ def task_executor_flags(user_flags: str) -> list[str]:
     flags = []
     if "--task_worker_local_memory" not in user_flags:
         flags.append(f"--task_worker_local_memory={TASK_WORKER_LOCAL_MEMORY}")
-    if "--task_topology" not in user_flags:
+    if workers is not None:  # the backend option `threads` asked for this many: it wins over the environment
+        flags.append(f"--task_topology_group_count={workers}")
+    elif "--task_topology" not in user_flags:
         flags.append(f"--task_topology_group_count={worker_count()}")
+    else:  # the user's own, again: a device made before with `threads` left its count in IREE's global flags
+        flags += [flag for flag in user_flags.split() if flag.startswith("--task_topology")]
     return flags
 
 
-def _configure_task_executor() -> None:
+def _configure_task_executor(workers: int | None) -> None:
     import iree.runtime.flags as flags
 
-    chosen = task_executor_flags(os.environ.get("IREE_PY_RUNTIME_FLAGS", ""))
+    chosen = task_executor_flags(os.environ.get("IREE_PY_RUNTIME_FLAGS", ""), workers)
     if chosen:
         flags.parse_flags(*chosen)
 
@@ -128,8 +132,9 @@ def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool
 CPU_DRIVERS = ("local-task", "local-sync")
 
 
-def hal_device(driver: str) -> Any:
-    """One device per driver per process: creating a `local-task` device starts a thread pool.
+def hal_device(driver: str, workers: int | None = None) -> Any:
+    """One device per driver (and, for `local-task`, per number of task `workers` asked; None: one per physical
+    core, see task_executor_flags) per process: creating a `local-task` device starts a thread pool.
 
     A CPU device allocates through IREE's caching allocator: the buffers a call allocates (its inputs, results
     and transients) go back to a pool when freed and serve the next call, instead of a malloc and free each.
@@ -139,14 +144,15 @@ def hal_device(driver: str) -> Any:
     their engine buffer is freed, so a result the caller keeps is never overwritten by a later call."""
     import iree.runtime as ireert
 
+    key = f"{driver}:{workers}" if driver == "local-task" and workers is not None else driver
     with _lock:
-        device = _devices.get(driver)
+        device = _devices.get(key)
         if device is None:
             if driver == "local-task":
-                _configure_task_executor()  # read when the executor is made: before the first local-task device
+                _configure_task_executor(workers)  # read when an executor is made: set before each local-task device
             allocators = ["caching"] if driver in CPU_DRIVERS else None
             device = ireert.get_driver(driver).create_default_device(allocators=allocators)
-            _devices[driver] = device
+            _devices[key] = device
         return device
 
 
@@ -170,6 +176,7 @@ class LoadedModel:
         keepalive: Any = None,
         state_zeros: Mapping[str, int] | None = None,
         driver: str | None = None,
+        workers: int | None = None,
     ):
         import iree.runtime as ireert
 
@@ -177,7 +184,8 @@ class LoadedModel:
         self.target = target
         self._instance = vm_instance()
         self.driver = driver or target.driver  # a CPU target's executor may pick local-sync (targets.CPU_EXECUTORS)
-        self.device = hal_device(self.driver)
+        self.workers = workers  # task workers asked for (backend option threads); None: one per physical core
+        self.device = hal_device(self.driver, workers)
         providers = [parameter_provider(parameters, PARAMETER_SCOPE, zeros=state_zeros)]
         self.encoded_bytes = sum(memoryview(view).nbytes for view in (encoded or {}).values())  # packed once, shared
         if encoded:

@@ -157,9 +157,20 @@ def check_target_runs_here(target: Target, where: str) -> None:
         )
 
 
-def runtime_driver(target: Target, executor: str | None, where: str) -> str:
+def runtime_driver(target: Target, executor: str | None, where: str, *, threads: int | None = None) -> str:
     """The HAL driver a model of `target` runs on: for a CPU target the one of `executor`, or "" when the load
-    picks it from the specialization's calibration (executor "auto" or unset); otherwise the target's own."""
+    picks it from the specialization's calibration (executor "auto" or unset); otherwise the target's own.
+    `threads` (backend option): IREE's task workers, that many, so the parallel executor."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise InvalidArgument(f"{where}: backend option threads={threads!r} must be a positive int.")
+        if target.compute_unit != "cpu":
+            raise InvalidArgument(f"{where}: backend option threads applies to CPU targets only; this delegate runs "
+                                  f"on {target.name}. Drop the option or use compute_units='cpu'.")
+        if executor == "inline":
+            raise InvalidArgument(f"{where}: backend options threads={threads} and executor='inline' contradict "
+                                  "each other: inline runs on the calling thread alone. Drop one of them.")
+        executor = "parallel"
     if executor is None or executor == "auto":
         return "" if target.compute_unit == "cpu" else target.driver
     if executor not in CPU_EXECUTORS:

@@ -1,0 +1,100 @@
+"""Resolution: where and from what a delegate's model loads, decided from its manifest and options before anything
+is loaded (and before the shared-model table is consulted): the target, the executor and its task workers, the
+precision, and the specialization cache entry's key (what decides the compiled code: export hash, packaging,
+compute units, target, this CPU's features and flags, the compiler's version).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from onecopy.delegate.cache import SpecializationCache, cache_disabled, cache_key, open_cache
+from onecopy.delegate.engine import compiler_version, runtime_version
+from onecopy.delegate.manifest import Manifest
+from onecopy.delegate.precision import check_precision_runs_here, precision_flags
+from onecopy.delegate.targets import (
+    Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver, select_target,
+)
+from onecopy.runtime.init_context import InitContext
+
+__all__ = ["Resolved", "resolve", "tunes"]
+
+
+def _driver(context: InitContext, target: Target) -> str:
+    options = context.backend_options
+    return runtime_driver(target, options.get("executor"), context.where, threads=options.get("threads"))
+
+
+def tunes(context: InitContext, manifest: Manifest) -> bool:
+    """Whether specialization tries several configurations (onecopy.delegate.tuning). Not for a module holding
+    state: timing it would need its state served too, and such modules (LLMs) hold no convolution to tune."""
+    return bool(context.backend_options.get("tune", True)) and not manifest.states
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where and from what a delegate's model loads, decided before loading (and before the shared table)."""
+
+    manifest: Manifest
+    units: str
+    target: Target
+    cache: SpecializationCache | None
+    cache_key: str | None
+    precision: str = "fp32"
+    driver: str = ""  # the HAL driver the model runs on; "" on a CPU: the executor measured faster (executors.py)
+    workers: int | None = None  # IREE task workers (backend option threads); None: one per physical core
+
+    @property
+    def key_prefix(self) -> str:
+        return (self.cache_key or self.manifest.export_hash)[:12]
+
+    def table_key(self) -> Hashable:
+        """Key of the shared-model table: (cache directory identity, cache key). A vmfb bundle without a cache entry
+        (no parameter encoder for its target, or the cache disabled) runs from the program file alone, so its model
+        is identified by export hash, target and compute units instead."""
+        if self.cache is not None:
+            return (self.cache.identity, self.cache_key, self.driver, self.workers)
+        return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision,
+                self.driver, self.workers)
+
+
+def resolve(context: InitContext, manifest: Manifest) -> Resolved:
+    where = context.where
+    units = context.backend_options.get("compute_units", manifest.compute_units)
+    precision, threads = context.precision, context.backend_options.get("threads")
+    if manifest.packaging == "vmfb":
+        check_precision_runs_here(precision, compute_unit="cpu", packaging="vmfb", cpu_flags=(), where=where)
+        target = select_target(units, where, candidates=tuple(manifest.bundle))
+        check_target_runs_here(target, where)
+        driver = _driver(context, target)
+        # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
+        if target.name not in manifest.encoders or cache_disabled():
+            return Resolved(manifest, units, target, None, None, precision, driver, threads)
+        # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
+        # compiler is involved, nor needed, on a device loading a vmfb program.
+        features, engine = host_features(target), f"runtime {runtime_version()}"
+    else:
+        target = select_target(units, where)
+        driver = _driver(context, target)
+        check_precision_runs_here(precision, compute_unit=target.compute_unit, packaging="mlir",
+                                  cpu_flags=cpu_flags(), where=where)
+        if cache_disabled():
+            return Resolved(manifest, units, target, None, None, precision, driver, threads)
+        flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
+        features = host_features(target) + "|" + " ".join(flags)
+        features += "|tuned" if tunes(context, manifest) else ""
+        features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
+        engine = compiler_version()
+    options = context.backend_options
+    cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
+    key = cache_key(
+        export_hash=manifest.export_hash,
+        packaging=manifest.packaging,
+        compute_units=units,
+        target=target.name,
+        features=features,
+        compiler=engine,
+    )
+    return Resolved(manifest, units, target, cache, key, precision, driver, threads)
+
