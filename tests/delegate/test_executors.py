@@ -162,10 +162,11 @@ def test_without_a_cache_the_figures_of_this_load_pick(small_program_path, monke
         assert drivers(program, "forward") == {"forward": "local-sync"}
 
 
-def test_a_module_with_state_is_timed_with_its_state_served(accumulator, tmp_path, monkeypatch, rng):
+@pytest.mark.parametrize("packaging", ["mlir", "vmfb"])
+def test_a_module_with_state_is_timed_with_its_state_served(accumulator, tmp_path, monkeypatch, rng, packaging):
     """Its methods run in the pool's contexts while timed (state served as zeros); the state functions are not
     timed; every State then runs on the one executor picked for the methods together."""
-    path = export_program(accumulator_methods(accumulator), compile_spec=CompileSpec(packaging="mlir"),
+    path = export_program(accumulator_methods(accumulator), compile_spec=CompileSpec(packaging=packaging),
                           partitioner=Partitioner(multifunction=True)).save(tmp_path / "acc.onecopy")
     seen = {}
     real = executors.calibrate
@@ -203,3 +204,18 @@ def test_inspect_shows_each_function_on_both_executors(small_program_path, tmp_p
     shown = capsys.readouterr().out
     assert "executors (mean latency, the faster): main parallel " in shown
     assert " / inline " in shown and ("(inline)" in shown or "(parallel)" in shown)
+
+
+def test_a_vmfb_program_is_timed_from_the_signatures_its_manifest_carries(small_vmfb_program, tmp_path):
+    """vmfb code carries no MLIR: export records each function's signature in the manifest, and the load that runs
+    its parameter encoder (once per machine) times its functions on both executors from them."""
+    path = small_vmfb_program.save(tmp_path / "small_vmfb.onecopy")
+    manifest = json.loads(json.dumps(small_vmfb_program.definition.delegates[0].manifest))  # as the file holds it
+    assert manifest["signatures"]["main"] == {"arguments": [[[1, 64], "float32"]], "results": 1}
+    with Runtime(cache_dir=tmp_path / "cache").load_program(path) as program:
+        picked = drivers(program, "forward")
+    entry = next(p for p in (tmp_path / "cache" / "v1" / "entries").iterdir()
+                 if "main" in json.loads((p / "entry.json").read_text()).get("executors", {}).get("functions", {}))
+    timed = json.loads((entry / "entry.json").read_text())["executors"]
+    assert {"parallel_ms", "inline_ms"} <= set(timed["functions"]["main"])
+    assert picked == {"forward": {"inline": "local-sync", "parallel": "local-task"}[choose(timed, ["main"])]}

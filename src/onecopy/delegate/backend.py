@@ -274,6 +274,7 @@ class IreeBackend(Backend):
             name: _named(context.named_data, key, f"parameter '{name}'", where)
             for name, key in manifest.parameters.items()
         }
+        state_zeros = {e.parameter: e.nbytes for e in manifest.states}  # what a context's states start from
         # `produce(scratch)` makes what the cache entry holds: for mlir the module and its packed weights
         # (specialize, writing the compiler's side files under `scratch`), for vmfb the packed weights only (its
         # encoder; the module runs in place from the program file).
@@ -287,12 +288,13 @@ class IreeBackend(Backend):
                 encoder_what = f"parameter encoder for {target.name}"
                 _named(context.named_data, encoder_key, encoder_what, where)
                 # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
-                produce = lambda scratch: encode(_code(context, encoder_key, encoder_what), parameters, target, where)
+                vmfb = code  # bound now: `code` is rebound below
+                produce = lambda scratch: encode(_code(context, encoder_key, encoder_what), parameters, target, where,
+                                                 code=vmfb, functions=manifest.signatures, state_zeros=state_zeros)
         else:
             code = None  # the specialized module
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
-            state_zeros = {e.parameter: e.nbytes for e in manifest.states}
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
                                                  tune=tunes(context, manifest), precision=resolved.precision,
                                                  state_zeros=state_zeros)
@@ -327,7 +329,7 @@ class IreeBackend(Backend):
             driver = CPU_EXECUTORS[choose(calibration, functions, worker_count()) or "parallel"]
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
-                                state_zeros={e.parameter: e.nbytes for e in manifest.states}, driver=driver,
+                                state_zeros=state_zeros, driver=driver,
                                 workers=resolved.workers)
         except BaseException:
             if entry is not None:

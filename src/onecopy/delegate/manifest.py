@@ -28,7 +28,7 @@ import numpy as np
 from onecopy.errors import DelegateError
 
 __all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "READ_STATES", "RESET_STATES",
-           "STATE_FUNCTIONS", "WRITE_STATES", "Manifest", "StateEntry", "parse_manifest",
+           "STATE_FUNCTIONS", "WRITE_STATES", "FunctionSignature", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
 BACKEND = "IreeBackend"  # the backend that reads these manifests: `DelegateDef.backend`
@@ -56,6 +56,15 @@ class StateEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     initial: str | None = None
 
 
+class FunctionSignature(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A public function of a vmfb module: its arguments (shape, None where dynamic; numpy dtype) and how many
+    results it returns. What a load needs to call it on example inputs (timing its executors) without the MLIR
+    the code was compiled from."""
+
+    arguments: list[tuple[list[int | None], str]]
+    results: int
+
+
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     version: int
     packaging: str
@@ -74,6 +83,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     encoders: dict[str, str] = {}
     # Program states the module holds (every function of a module sees the same list).
     states: list[StateEntry] = []
+    # Every public function of the module (vmfb only): name -> its signature (see FunctionSignature).
+    signatures: dict[str, FunctionSignature] = {}
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a program header stores it (`DelegateDef.manifest`, read back by `parse_manifest`):
@@ -102,6 +113,9 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
         raise DelegateError(f"{where}: an mlir manifest needs exactly the bundle key '{PORTABLE}'. Re-export the program.")
     if not manifest.bundle:
         raise DelegateError(f"{where}: the manifest names no bundle. Re-export the program.")
+    if manifest.signatures and manifest.packaging != "vmfb":
+        raise DelegateError(f"{where}: field `signatures` applies to vmfb manifests only, this one is "
+                            f"{manifest.packaging}. Re-export the program.")
     if manifest.encoders and manifest.packaging != "vmfb":
         raise DelegateError(f"{where}: field `encoders` applies to vmfb manifests only, this one is {manifest.packaging}. "
                             "Re-export the program.")

@@ -74,6 +74,7 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
         # compiler is involved, nor needed, on a device loading a vmfb program.
         features, engine = host_features(target), f"runtime {runtime_version()}"
+        features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
     else:
         target = select_target(units, where)
         driver = _driver(context, target)

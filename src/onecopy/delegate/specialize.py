@@ -40,10 +40,12 @@ import numpy as np
 from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
 from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.executors import calibrate_models
-from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS
+from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS, FunctionSignature
 from onecopy.delegate.precision import precision_flags
 from onecopy.delegate.targets import CPU_EXECUTORS, Target
-from onecopy.delegate.tuning import DEFAULT, Candidate, Runner, Tuning, candidates, example_inputs, signatures
+from onecopy.delegate.tuning import (
+    DEFAULT, Candidate, Runner, Signature, Tuning, candidates, example_inputs, signatures,
+)
 from onecopy.delegate.tuning import tune as tuned
 from onecopy.errors import DelegateError
 from onecopy.runtime.copy_stats import CopyStats
@@ -208,9 +210,19 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     started = time.perf_counter()
     made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
     if target.compute_unit == "cpu":
-        made.executors = _calibrate_executors(source, made, parameters, target, where, state_zeros,
-                                              budget_s=min(max(0.1 * (time.perf_counter() - started), 0.1), 2.0))
+        try:
+            found = signatures(source)
+        except ValueError as e:
+            made.executors = {"functions": {}, "note": f"not calibrated: {e}"}
+        else:
+            made.executors = _calibrate_executors(made.module, found, made, parameters, target, where, state_zeros,
+                                                  _budget(started))
     return made
+
+
+def _budget(started: float) -> float:
+    """Time for executor calibration: a tenth of what specialization took so far, 0.25 to 2 s."""
+    return min(max(0.1 * (time.perf_counter() - started), 0.25), 2.0)
 
 
 def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization], parameters: Mapping[str, memoryview],
@@ -248,34 +260,42 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     return chosen
 
 
-def _calibrate_executors(source: memoryview, made: Specialization, parameters: Mapping[str, memoryview],
-                         target: Target, where: str, state_zeros: Mapping[str, int] | None, budget_s: float) -> dict:
-    """Each public function of `made` timed on IREE's workers and on the calling thread, on random inputs of its
-    signature (dynamic dimensions: 1), for `choose` at every load (onecopy.delegate.executors)."""
-    try:
-        rng = np.random.default_rng(0)
-        # A module's state functions serve State.read/save/reset, rare calls next to its methods: not timed.
-        calls = {s.name: (example_inputs(s, rng), s.results) for s in signatures(source)
-                 if s.name not in STATE_FUNCTIONS}
-    except ValueError as e:
-        return {"functions": {}, "note": f"not calibrated: {e}"}
+def _calibrate_executors(module: bytes | memoryview, found: list[Signature], made: Specialization,
+                         parameters: Mapping[str, memoryview], target: Target, where: str,
+                         state_zeros: Mapping[str, int] | None, budget_s: float) -> dict:
+    """Each public function of `module` (signatures `found`) timed on IREE's workers and on the calling thread,
+    on random inputs of its signature (dynamic dimensions: 1), for `choose` at every load
+    (onecopy.delegate.executors). `made.encoded`: the packed weights the module reads."""
+    rng = np.random.default_rng(0)
+    # A module's state functions serve State.read/save/reset, rare calls next to its methods: not timed.
+    calls = {s.name: (example_inputs(s, rng), s.results) for s in found if s.name not in STATE_FUNCTIONS}
     if not calls:
         return {"functions": {}, "note": "not calibrated: no function to time"}
     encoded = {name: memoryview(array) for name, array in made.encoded.items()}
 
     def load(executor: str) -> LoadedModel:
-        return LoadedModel(made.module, parameters, target, f"{where} (calibrating {executor})", encoded=encoded,
+        return LoadedModel(module, parameters, target, f"{where} (calibrating {executor})", encoded=encoded,
                            state_zeros=state_zeros, driver=CPU_EXECUTORS[executor])
 
     return calibrate_models(load, calls, budget_s, where)
 
 
-def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> Specialization:
+def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str, *,
+           code: bytes | memoryview | None = None, functions: Mapping[str, FunctionSignature] | None = None,
+           state_zeros: Mapping[str, int] | None = None) -> Specialization:
     """Run a `vmfb` program's parameter encoder (compiled at export for `target`) once, here: the result holds the
-    encoded parameters only; the module itself runs from the program file. A specialization step, so
-    `ONECOPY_FORBID_SPECIALIZE=1` refuses it."""
+    encoded parameters only; the module itself runs from the program file. With its `code` and the `functions`
+    its manifest lists, each function is then timed on both CPU executors, as `specialize` does. A
+    specialization step, so `ONECOPY_FORBID_SPECIALIZE=1` refuses it."""
     _check_allowed(where)
-    return Specialization(None, _encode(encoder, parameters, target, where))
+    started = time.perf_counter()
+    made = Specialization(None, _encode(encoder, parameters, target, where))
+    if target.compute_unit == "cpu" and code is not None and functions:
+        found = [Signature(name, tuple((tuple(shape), dtype) for shape, dtype in sig.arguments), sig.results)
+                 for name, sig in functions.items()]
+        made.executors = _calibrate_executors(code, found, made, parameters, target, where, state_zeros,
+                                              _budget(started))
+    return made
 
 
 def _encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> dict[str, np.ndarray]:

@@ -78,6 +78,7 @@ def assemble(
                 outputs_in_place=p.outputs_in_place,
                 encoders=encoders,
                 states=[s.manifest() for s in held],
+                signatures=bundle.signatures,
             )
     definition = ProgramDef(
         methods=method_defs,

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE
+from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE, FunctionSignature
 from onecopy.delegate.compiler import compile_bundle
 from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS, Target
+from onecopy.delegate.tuning import signatures
 from onecopy.errors import DelegateError, ExportError
 from onecopy.export.compile_spec import CompileSpec
 from onecopy.export.state import StateBinding, register_states, stage_helpers
@@ -59,6 +60,8 @@ class LoweredBundle:
     functions: list[str]
     # target name -> its parameter encoder (vmfb), for the targets whose bundle reads scope `encoded`
     encoders: dict[str, bytes] = field(default_factory=dict)
+    # public function name -> its signature (vmfb: the code carries no MLIR to read them from at load)
+    signatures: dict[str, FunctionSignature] = field(default_factory=dict)
 
 
 def _varargs(specs: tuple | None) -> tuple | None:
@@ -170,7 +173,18 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
         code[name] = compiled.module
         if compiled.encoder is not None:
             encoders[name] = compiled.encoder
-    return LoweredBundle(spec.packaging, code, names, encoders)
+    return LoweredBundle(spec.packaging, code, names, encoders, _signatures(bytecode))
+
+
+def _signatures(bytecode: bytes) -> dict[str, FunctionSignature]:
+    """Each public function's signature, read from the staged MLIR (empty when an argument is not a tensor numpy
+    can make: a load then keeps the default executor, having nothing to time)."""
+    try:
+        found = signatures(bytecode)
+    except ValueError:
+        return {}
+    return {s.name: FunctionSignature([(list(shape), dtype) for shape, dtype in s.arguments], s.results)
+            for s in found}
 
 
 class CompileFailed(ExportError):
