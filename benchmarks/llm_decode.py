@@ -77,6 +77,21 @@ def update_scaling(sizes=(2048, 32768)) -> list[dict]:
     return rows
 
 
+def _one_thread(run):
+    """`run` with torch on one intra-op thread: on 2 shared cores torch's default (2) ran 5-10x slower when anything
+    else was running, so both are reported."""
+
+    def run_1t():
+        default_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            run()
+        finally:
+            torch.set_num_threads(default_threads)
+
+    return run_1t
+
+
 def _rounds(peers: dict, rounds: int, calls: int) -> dict[str, list[float]]:
     """ms per call of each peer (a block of `calls` calls), `rounds` times, in a shuffled order each round."""
     times: dict[str, list[float]] = {name: [] for name in peers}
@@ -112,25 +127,16 @@ def prefill_row(model, prog, eager, size: int, work: Path, rounds: int) -> dict:
     diffs = {name: common.max_abs_diff(value, want) for name, value in got.items()}
     if max(diffs.values()) > 1e-4:
         raise SystemExit(f"a peer's prefill computes something else than torch: {diffs}")
-    default_threads = torch.get_num_threads()
-
     def run_torch():
         with torch.no_grad():
             eager.model(input_ids=tid, cache_position=torch.from_numpy(positions))
-
-    def run_torch_1t():
-        torch.set_num_threads(1)
-        try:
-            run_torch()
-        finally:
-            torch.set_num_threads(default_threads)
 
     def run_ort_run():
         ort.reset()  # an empty cache each time, as the other peers' prefill writes positions 0.. again
         ort.step_run(ids, 0)
 
     peers = {"onecopy": lambda: prefill.execute([ids, positions], state=state), "torch": run_torch,
-             "torch 1 thread": run_torch_1t, "onnxruntime IOBinding": lambda: ort.step_iobinding(ids, 0),
+             "torch 1 thread": _one_thread(run_torch), "onnxruntime IOBinding": lambda: ort.step_iobinding(ids, 0),
              "onnxruntime run": run_ort_run}
     times = _rounds(peers, rounds, 1)
     state.close()
@@ -226,17 +232,6 @@ def main() -> None:
                 for p in positions:
                     decode.execute([ids, np.array([p])], state=state)
 
-            default_threads = torch.get_num_threads()
-
-            def run_torch_1t():
-                # One intra-op thread: on 2 shared cores torch's default (2) ran 5-10x slower when anything else
-                # was running, so both are reported.
-                torch.set_num_threads(1)
-                try:
-                    run_torch()
-                finally:
-                    torch.set_num_threads(default_threads)
-
             def run_torch():
                 with torch.no_grad():
                     for p in positions:
@@ -269,8 +264,9 @@ def main() -> None:
                     view = results.get_as_object(0, rt.HalBufferView)
                     np.array(view.map().asarray(tuple(view.shape), np.dtype(np.float32)))
 
-            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch, "torch 1 thread": run_torch_1t,
-                     "onnxruntime IOBinding": run_ort_iobinding, "onnxruntime run": run_ort_run}
+            peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch,
+                     "torch 1 thread": _one_thread(run_torch), "onnxruntime IOBinding": run_ort_iobinding,
+                     "onnxruntime run": run_ort_run}
             times = _rounds(peers, args.rounds, args.calls)
             medians = {name: statistics.median(t) for name, t in times.items()}
             # ORT's best configuration: the mode onecopy compares worst with (paired by round).
