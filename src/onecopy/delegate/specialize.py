@@ -20,6 +20,10 @@ Tuned specialization (backend option `tune`, on by default): a module holding co
 compiler configurations, each timed here and checked against the default's results, and the fastest is kept
 (onecopy.delegate.tuning); the choice and the timings go into the cache entry, so a restore never tunes again.
 
+Executor timing (onecopy.delegate.executors): on a CPU, each public function of the result is then timed on IREE's
+task workers and on the calling thread (for a vmfb program at the load that runs its encoder, from the signatures
+its manifest carries); the figures go into the cache entry, and every load picks its executor from them.
+
 Running an encoder at load is a specialization step: `ONECOPY_FORBID_SPECIALIZE=1` refuses it just as it refuses
 a compile, so a load under that variable is a restore or an error, never a silent repack.
 """
