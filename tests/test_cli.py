@@ -114,7 +114,8 @@ def test_bench_runs_on_the_executor_asked(small_program_path, capsys, monkeypatc
 
     monkeypatch.setattr(backend, "LoadedModel", recording)
     assert main(["bench", str(small_program_path), "--runs", "2", "--warmup", "1", "--executor", "inline"]) == 0
-    assert "executor inline" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "executor inline" in out and "runs on" in out and "local-sync" in out
     assert drivers and set(drivers) == {"local-sync"}
 
 

@@ -176,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     title = (f"{args.file}: latency over {args.runs} runs (after {args.warmup} warm-up), {args.precision}, "
              f"executor {args.executor or 'auto'}")
     table = Table(title=title)
-    columns = ["method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms"]
+    columns = ["method", "inputs", "p50 ms", "p90 ms", "p99 ms", "min ms", "runs on"]
     # Another precision than fp32 changes the answers: each method's outputs are compared with an fp32 load's on
     # the same inputs, so the speed is never read without the error that bought it.
     against_fp32 = args.precision != "fp32"
@@ -211,7 +211,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     progress.advance(task)
                 p50, p90, p99 = np.percentile(times, [50, 90, 99])
                 shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in meta.inputs)
-                row = [name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}"]
+                # the device alone (e.g. IREE's local-sync: the calling thread); the rest would wrap the table
+                runs_on = "; ".join(dict.fromkeys(r.split(" (")[0].removeprefix("IREE ")
+                                                  for r in method.runs_on.values())) or "host ops"
+                row = [name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}", runs_on]
                 if compared is not None:
                     row += [f"{compared[0]:.3g}", f"{compared[1]:.6f}"]
                 table.add_row(*row)

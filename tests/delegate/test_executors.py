@@ -219,3 +219,16 @@ def test_a_vmfb_program_is_timed_from_the_signatures_its_manifest_carries(small_
     timed = json.loads((entry / "entry.json").read_text())["executors"]
     assert {"parallel_ms", "inline_ms"} <= set(timed["functions"]["main"])
     assert picked == {"forward": {"inline": "local-sync", "parallel": "local-task"}[choose(timed, ["main"])]}
+
+
+def test_a_method_says_what_runs_it(small_program_path, tmp_path):
+    runtime = Runtime(cache_dir=tmp_path)
+    for options, said in (({"executor": "inline"}, "IREE local-sync (the calling thread)"),
+                          ({"executor": "parallel"}, "IREE local-task (IREE's task workers)"),
+                          ({"threads": 1}, "IREE local-task (IREE's task workers, 1 of them)")):
+        with runtime.load_program(small_program_path, backend_options={"IreeBackend": options}) as program:
+            forward = program.load_method("forward")
+            assert forward.runs_on == {0: said}
+    with runtime.load_program(small_program_path) as program:  # auto: one of the two, as its figures say
+        (said,) = program.load_method("forward").runs_on.values()
+        assert said.startswith(("IREE local-sync", "IREE local-task"))

@@ -158,6 +158,15 @@ class IreeDelegate(DelegateHandle):
         return call_copied(function, inputs, outputs, stats, context)
 
     @property
+    def runs_on(self) -> str:
+        model = self.model
+        if model is None:
+            return "IREE (destroyed)"
+        executor = {"local-sync": "the calling thread", "local-task": "IREE's task workers"}.get(model.driver)
+        workers = f", {model.workers} of them" if model.workers is not None else ""
+        return f"IREE {model.driver} ({executor}{workers})" if executor else f"IREE {model.driver}"
+
+    @property
     def bound_surfaces(self) -> dict[str, Any]:
         function = self._function
         return {b.surface.name: b.surface for b in function.bindings.values()} if function is not None else {}

@@ -117,6 +117,11 @@ class DelegateHandle(abc.ABC):
         return {}
 
     @property
+    def runs_on(self) -> str:
+        """What runs this delegate's calls, in a few words (engine, device, executor): for people and tools."""
+        return type(self).__name__
+
+    @property
     def has_bound_surfaces(self) -> bool:
         """Whether any surface is bound (checked on every call: cheaper than `bound_surfaces`)."""
         return False

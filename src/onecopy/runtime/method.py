@@ -100,10 +100,9 @@ class Method:
         return dataclasses.replace(self._local.stats)
 
     def bind_surface(self, surface: Any) -> None:
-        """Bind a `Surface` to this method's model instance: when an input or output is the surface's memory in
-        its own layout (`surface.array()`, or a C-contiguous reshape of it), the engine reads or writes it in place.
-        Any other view of it (transposed, sliced) is copied through its strides, as a plain array would be. Several
-        methods (and programs) may bind the same surface, e.g. to chain one model's output into another's input."""
+        """Bind a `Surface`: an input or output that is its memory in its own layout (`surface.array()`, or a
+        C-contiguous reshape) is read or written in place by the engine; any other view of it (transposed, sliced)
+        is copied through its strides. Several methods and programs may bind one surface, to chain models."""
         self._check_open()
         if not self._delegates:
             raise InvalidArgument(f"Method '{self.name}' runs no delegate; there is no engine to bind a surface to.")
@@ -117,6 +116,11 @@ class Method:
         for handle in self._delegates.values():
             found.update(handle.bound_surfaces)
         return found
+
+    @property
+    def runs_on(self) -> dict[int, str]:
+        """What runs each of its delegates: index -> engine and executor (e.g. what executor="auto" picked)."""
+        return {index: handle.runs_on for index, handle in self._delegates.items()}
 
     def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
                 state: Any = None) -> list[np.ndarray]:

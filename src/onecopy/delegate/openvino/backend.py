@@ -65,6 +65,10 @@ class OpenVinoDelegate(DelegateHandle):
         self._outputs = outputs
         self._lock = threading.Lock()  # one infer request: one call at a time
 
+    @property
+    def runs_on(self) -> str:
+        return "OpenVINO CPU (one call at a time)"
+
     def execute(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
                 ) -> list[np.ndarray]:
         arrays = []
