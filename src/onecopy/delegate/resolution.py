@@ -74,7 +74,6 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
         # compiler is involved, nor needed, on a device loading a vmfb program.
         features, engine = host_features(target), f"runtime {runtime_version()}"
-        features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
     else:
         target = select_target(units, where)
         driver = _driver(context, target)
@@ -85,8 +84,8 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
         features = host_features(target) + "|" + " ".join(flags)
         features += "|tuned" if tunes(context, manifest) else ""
-        features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
         engine = compiler_version()
+    features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
     options = context.backend_options
     cache = open_cache(options.get("cache_dir", context.cache_dir), max_bytes=options.get("max_cache_bytes"))
     key = cache_key(
@@ -98,4 +97,3 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         compiler=engine,
     )
     return Resolved(manifest, units, target, cache, key, precision, driver, threads)
-

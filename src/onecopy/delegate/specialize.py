@@ -219,8 +219,8 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
         except ValueError as e:
             made.executors = {"functions": {}, "note": f"not calibrated: {e}"}
         else:
-            made.executors = _calibrate_executors(made.module, found, made, parameters, target, where, state_zeros,
-                                                  _budget(started))
+            made.executors = _calibrate_executors(made.module, found, made.encoded, parameters, target, where,
+                                                  state_zeros, _budget(started))
     return made
 
 
@@ -264,18 +264,18 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     return chosen
 
 
-def _calibrate_executors(module: bytes | memoryview, found: list[Signature], made: Specialization,
+def _calibrate_executors(module: bytes | memoryview, found: list[Signature], packed: Mapping[str, np.ndarray],
                          parameters: Mapping[str, memoryview], target: Target, where: str,
                          state_zeros: Mapping[str, int] | None, budget_s: float) -> dict:
     """Each public function of `module` (signatures `found`) timed on IREE's workers and on the calling thread,
     on random inputs of its signature (dynamic dimensions: 1), for `choose` at every load
-    (onecopy.delegate.executors). `made.encoded`: the packed weights the module reads."""
+    (onecopy.delegate.executors). `packed`: the encoded weights the module reads."""
     rng = np.random.default_rng(0)
     # A module's state functions serve State.read/save/reset, rare calls next to its methods: not timed.
     calls = {s.name: (example_inputs(s, rng), s.results) for s in found if s.name not in STATE_FUNCTIONS}
     if not calls:
         return {"functions": {}, "note": "not calibrated: no function to time"}
-    encoded = {name: memoryview(array) for name, array in made.encoded.items()}
+    encoded = {name: memoryview(array) for name, array in packed.items()}
 
     def load(executor: str) -> LoadedModel:
         return LoadedModel(module, parameters, target, f"{where} (calibrating {executor})", encoded=encoded,
@@ -297,7 +297,7 @@ def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], ta
     if target.compute_unit == "cpu" and code is not None and functions:
         found = [Signature(name, tuple((tuple(shape), dtype) for shape, dtype in sig.arguments), sig.results)
                  for name, sig in functions.items()]
-        made.executors = _calibrate_executors(code, found, made, parameters, target, where, state_zeros,
+        made.executors = _calibrate_executors(code, found, made.encoded, parameters, target, where, state_zeros,
                                               _budget(started))
     return made
 
