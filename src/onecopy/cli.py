@@ -262,6 +262,25 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return 1 if removed else 0
     elif args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.directory}")
+    elif args.action == "recalibrate":
+        return _recalibrate(args, cache.directory)
+    return 0
+
+
+def _recalibrate(args: argparse.Namespace, directory: Path) -> int:
+    """Time every method's functions on both CPU executors again (backend option recalibrate=True), keep the
+    figures in the cache entries, and say what each method now runs on."""
+    from onecopy.runtime import Runtime
+
+    if not args.file:
+        raise InvalidArgument("onecopy cache recalibrate needs the program file: onecopy cache recalibrate FILE.")
+    options = {"IreeBackend": {"recalibrate": True}}
+    started = time.perf_counter()
+    with Runtime(cache_dir=directory).load_program(args.file, backend_options=options) as program:
+        for name in args.method or program.method_names:
+            runs_on = "; ".join(dict.fromkeys(program.load_method(name).runs_on.values()))
+            print(f"{name}: {runs_on}")
+    print(f"measured again in {time.perf_counter() - started:.1f} s; `onecopy inspect {args.file}` shows the figures")
     return 0
 
 
@@ -356,8 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("cache", help="the specialization cache: path | ls | verify | clear")
-    p.add_argument("action", choices=("path", "ls", "verify", "clear"))
+    p = sub.add_parser("cache", help="the specialization cache: path | ls | verify | clear | recalibrate FILE")
+    p.add_argument("action", choices=("path", "ls", "verify", "clear", "recalibrate"))
+    p.add_argument("file", nargs="?", help="recalibrate: the program whose executor choice to measure again "
+                   "(e.g. after it was first loaded on a busy machine)")
+    p.add_argument("--method", action="append", help="recalibrate: only this method (repeatable)")
     p.add_argument("--cache-dir", help="cache directory (default: $ONECOPY_CACHE_DIR or the user cache dir)")
     p.set_defaults(func=cmd_cache)
 

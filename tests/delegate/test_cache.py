@@ -308,3 +308,18 @@ def test_cache_cli(mf_program, tmp_path, capsys):
     assert cli(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
     assert "removed 1 entries" in capsys.readouterr().out
     assert open_cache(tmp_path).ls() == []
+
+
+def test_metadata_update_is_whole_keeps_the_files_checked_and_misses_a_gone_entry(mf_program, tmp_path):
+    load_all(mf_program, tmp_path)[0].close()
+    cache = open_cache(tmp_path)
+    (key,) = [e.key for e in cache.ls()]
+    meta_path = cache.entry_dir(key) / "entry.json"
+    before = json.loads(meta_path.read_text())
+    # An update may add what the entry says; never what it is made of (sizes, checksums, key).
+    new = cache.update_meta(key, lambda meta: {**meta, "note": "x", "files": {}, "key": "other"})
+    assert new == {**before, "note": "x"} == json.loads(meta_path.read_text())
+    assert list(cache.tmp.iterdir()) == []
+    assert cli(["cache", "verify", "--cache-dir", str(tmp_path)]) == 0  # still whole
+    cache.clear()
+    assert cache.update_meta(key, lambda meta: pytest.fail("updated a removed entry")) is None

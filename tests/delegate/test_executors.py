@@ -13,6 +13,7 @@ from onecopy.cli import main as cli
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.executors import EXECUTORS, calibrate, choose
 from onecopy.delegate.manifest import STATE_FUNCTIONS
+from onecopy.errors import InvalidArgument
 from onecopy.export import CompileSpec, Partitioner, export_program
 from tests.conftest import accumulator_methods
 
@@ -232,3 +233,77 @@ def test_a_method_says_what_runs_it(small_program_path, tmp_path):
     with runtime.load_program(small_program_path) as program:  # auto: one of the two, as its figures say
         (said,) = program.load_method("forward").runs_on.values()
         assert said.startswith(("IREE local-sync", "IREE local-task"))
+
+
+def test_measuring_again_replaces_the_functions_timed_and_keeps_the_others():
+    old = {**record(forward=0.5, prefill=1.4), "workers": 2, "rounds": 5}
+    new = {**record(forward=1.3), "workers": 2, "rounds": 200}
+    merged = executors.merge(old, new)
+    assert merged["functions"] == {**record(forward=1.3, prefill=1.4)["functions"]}
+    assert merged["rounds"] == 200 and merged["workers"] == 2
+    assert executors.merge(old, {**new, "workers": 4}) == {**new, "workers": 4}  # another CPU quota: new alone
+    assert executors.merge(None, new) == new
+    untimed = {"functions": {}, "note": "not calibrated: ..."}
+    assert executors.merge(old, untimed) == untimed
+
+
+def entry_executors(cache_dir) -> dict:
+    (entry,) = (cache_dir / "v1" / "entries").iterdir()
+    return json.loads((entry / "entry.json").read_text())["executors"]
+
+
+def test_recalibrate_measures_a_restored_entry_again_and_keeps_the_new_choice(multifunction_path, tmp_path,
+                                                                             fake_calibration, monkeypatch):
+    """A choice first made on a busy machine: backend option recalibrate=True times the functions each load serves
+    again (no compile), the entry keeps the new figures of both methods' loads, and later loads follow them."""
+    fake_calibration.update({"forward_0": {"parallel_ms": 1.0, "inline_ms": 0.9},
+                             "prefill_0": {"parallel_ms": 1.0, "inline_ms": 0.8}})
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path) as program:
+        assert drivers(program, "forward", "prefill") == {"forward": "local-sync", "prefill": "local-sync"}
+    fake_calibration.update({"forward_0": {"parallel_ms": 1.0, "inline_ms": 1.5},
+                             "prefill_0": {"parallel_ms": 1.0, "inline_ms": 1.2}})
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # the entry is restored, never compiled again
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path) as program:  # figures as they were
+        assert drivers(program, "forward", "prefill") == {"forward": "local-sync", "prefill": "local-sync"}
+    options = {"IreeBackend": {"recalibrate": True}}
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path, backend_options=options) as program:
+        assert drivers(program, "forward") == {"forward": "local-task"}
+        # forward's load measured forward alone: the entry holds its new figure beside prefill's old one
+        assert entry_executors(tmp_path)["functions"]["prefill_0"]["inline_ms"] == 0.8
+        assert drivers(program, "prefill") == {"prefill": "local-task"}
+    assert entry_executors(tmp_path)["functions"] == {f: fake_calibration[f] for f in ("forward_0", "prefill_0")}
+    with Runtime(cache_dir=tmp_path).load_program(multifunction_path) as program:
+        assert drivers(program, "forward", "prefill") == {"forward": "local-task", "prefill": "local-task"}
+    assert [p.name for p in (tmp_path / "v1" / "tmp").iterdir()] == []  # the rewrite left nothing behind
+
+
+def test_recalibrate_times_a_real_module_again(small_program_path, tmp_path, monkeypatch):
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        program.load_method("forward")
+    first = entry_executors(tmp_path)
+    assert first["rounds"] >= 5 and first["other_cpu"] >= 0 and first["measured"] <= time.time()
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")
+    with Runtime(cache_dir=tmp_path).load_program(
+            small_program_path, backend_options={"IreeBackend": {"recalibrate": True}}) as program:
+        picked = drivers(program, "forward")
+    again = entry_executors(tmp_path)
+    assert again["measured"] >= first["measured"] and again["functions"] != first["functions"]  # timed anew
+    assert picked == {"forward": {"inline": "local-sync", "parallel": "local-task"}[choose(again, ["main"])]}
+
+
+@pytest.mark.parametrize("options", [{"executor": "inline"}, {"executor": "parallel"}, {"threads": 1}])
+def test_recalibrate_with_a_named_executor_is_refused(small_program_path, tmp_path, options):
+    with pytest.raises(InvalidArgument, match="recalibrate=True measures which CPU executor.*names one"):
+        Runtime(cache_dir=tmp_path).load_program(
+            small_program_path, backend_options={"IreeBackend": {"recalibrate": True, **options}}).load_method("forward")
+
+
+def test_cache_recalibrate_cli(multifunction_path, tmp_path, capsys, fake_calibration):
+    fake_calibration.update({"forward_0": {"parallel_ms": 1.0, "inline_ms": 0.9},
+                             "prefill_0": {"parallel_ms": 1.0, "inline_ms": 1.2}})
+    assert cli(["cache", "recalibrate", str(multifunction_path), "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "forward: IREE local-sync (the calling thread)" in out
+    assert "prefill: IREE local-task (IREE's task workers)" in out
+    assert cli(["cache", "recalibrate", "--cache-dir", str(tmp_path)]) == 2
+    assert "needs the program file" in capsys.readouterr().err

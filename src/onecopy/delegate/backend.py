@@ -15,13 +15,14 @@ from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.cache import CacheEntry
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.engine import EngineFunction, LoadedModel
-from onecopy.delegate.executors import choose
+from onecopy.delegate.executors import choose, merge
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.resolution import Resolved, resolve, tunes
 from onecopy.delegate.shared_models import shared_models
-from onecopy.delegate.specialize import Specialization, encode, specialize
+from onecopy.delegate.specialize import Specialization, encode, manifest_signatures, recalibrate, specialize
 from onecopy.delegate.targets import CPU_EXECUTORS
+from onecopy.delegate.tuning import signatures
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
 from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary
@@ -55,6 +56,30 @@ def _code(context: InitContext, key: str, what: str) -> memoryview:
             "re-copy or re-export it (`onecopy verify FILE` lists every problem)."
         ) from None
     return view
+
+
+def _recalibrated(context: InitContext, resolved: Resolved, entry: CacheEntry, code: bytes | memoryview,
+                  encoded: Mapping[str, memoryview], parameters: Mapping[str, memoryview],
+                  state_zeros: Mapping[str, int], serves: Sequence[str] | None) -> dict | None:
+    """Backend option `recalibrate`: time the functions this load serves (all of the module's for a shared model)
+    on both CPU executors again, and keep the figures in the restored entry, beside those other loads measured
+    (onecopy.delegate.executors.merge). Returns the record this load picks its executor from."""
+    manifest, where = resolved.manifest, context.where
+    try:
+        if manifest.packaging == "vmfb":
+            found = manifest_signatures(manifest.signatures or {})
+        else:
+            found = signatures(_code(context, manifest.bundle["portable"], "bundle"))
+    except ValueError as e:
+        log.info("%s: executors not calibrated again: %s", where, e)
+        return entry.executors
+    found = [s for s in found if serves is None or s.name in serves]
+    record = recalibrate(code, found, encoded, parameters, resolved.target, where, state_zeros)
+    if not record.get("functions"):  # nothing could be timed: keep what the entry says
+        return entry.executors
+    assert resolved.cache is not None and resolved.cache_key is not None  # an entry was restored from it
+    meta = resolved.cache.update_meta(resolved.cache_key, lambda meta: {**meta, "executors": merge(meta.get("executors"), record)})
+    return meta.get("executors") if meta is not None else record
 
 
 class IreeDelegate(DelegateHandle):
@@ -188,6 +213,7 @@ class IreeBackend(Backend):
         "tune": bool,
         "executor": str,
         "threads": int,
+        "recalibrate": bool,
     }
 
     @staticmethod
@@ -327,6 +353,8 @@ class IreeBackend(Backend):
                 )
                 module, encoded, calibration = entry.module(), entry.encoded(), entry.executors
             code = code if code is not None else module
+            if context.backend_options.get("recalibrate") and state == "restored" and entry is not None and code:
+                calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros, serves)
         if code is None:  # an mlir key's entry without a module: onecopy never writes one
             if entry is not None:
                 entry.close()

@@ -32,7 +32,7 @@ from onecopy.delegate.cache_key import (
     cache_key, default_cache_dir,
 )
 from onecopy.delegate.cache_lock import KeyLocks
-from onecopy.delegate.cache_publish import check_entry, publish_entry, restore_entry
+from onecopy.delegate.cache_publish import check_entry, publish_entry, restore_entry, update_meta
 from onecopy.errors import DelegateError, InvalidArgument
 
 if TYPE_CHECKING:
@@ -105,6 +105,12 @@ class SpecializationCache:
                 raise DelegateError(f"The cache entry {key[:12]} in '{self.directory}' vanished right after it was written.")
             evict(self.layout, self.index, self.max_bytes, keep=key)
             return entry, "specialized"
+
+    def update_meta(self, key: str, update: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | None:
+        """Rewrite the entry.json of `key` as `update(meta)`, atomically, under the key's locks (so it never
+        interleaves with another process's update or specialization of it); None when the entry is gone."""
+        with self._locks.in_process(key), self._locks.across_processes(key):
+            return update_meta(self.layout, key, update)
 
     def ls(self) -> list[EntryInfo]:
         return self.index.ls()

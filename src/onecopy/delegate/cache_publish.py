@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from onecopy.errors import DelegateError
 if TYPE_CHECKING:
     from onecopy.delegate.specialize import Specialization
 
-__all__ = ["check_entry", "publish_entry", "restore_entry"]
+__all__ = ["check_entry", "publish_entry", "restore_entry", "update_meta"]
 
 log = logging.getLogger("onecopy")
 
@@ -206,3 +207,34 @@ def publish_entry(layout: CacheLayout, index: CacheIndex, key: str, result: "Spe
             raise DelegateError(f"The cache directory '{layout.directory}' is full; run `onecopy cache clear`.") from e
         raise
     index.record(key, size=sum(f["size"] for f in files.values()), **info)
+
+
+def update_meta(layout: CacheLayout, key: str, update: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | None:
+    """Replace the entry's entry.json with `update(meta)`, whole or not at all (written aside, fsynced, renamed
+    over it), and return the new metadata; None when the entry is gone (evicted meanwhile). The caller holds the
+    key's cross-process lock, so two updates never interleave. Only what entry.json says beyond its files may
+    change: sizes and checksums are kept from the file read, whatever `update` returns."""
+    path = layout.entries / key / META
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise DelegateError(f"The cache entry {key[:12]} in '{layout.directory}' has unreadable metadata ({e}); "
+                            "run `onecopy cache verify`.") from e
+    new = {**update(dict(meta)), "key": meta["key"], "files": meta["files"], "encoded": meta.get("encoded", [])}
+    # Staged in tmp/ (same filesystem), named for this process: a kill before the rename leaves a file the next
+    # process's sweep removes, never a stray one in the entry.
+    fd, name = tempfile.mkstemp(prefix=owned_prefix("meta"), dir=layout.tmp)
+    os.close(fd)
+    staging = Path(name)
+    try:
+        _write_synced(staging, json.dumps(new, indent=1).encode())
+        os.replace(staging, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        staging.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise DelegateError(f"The cache directory '{layout.directory}' is full; run `onecopy cache clear`.") from e
+        raise
+    return new

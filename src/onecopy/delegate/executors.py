@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -35,7 +36,7 @@ from onecopy.delegate.cpus import worker_count
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["EXECUTORS", "calibrate", "calibrate_models", "choose", "describe"]
+__all__ = ["EXECUTORS", "calibrate", "calibrate_models", "choose", "describe", "merge"]
 
 log = logging.getLogger("onecopy")
 
@@ -114,7 +115,13 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
     try:
         for executor in EXECUTORS:
             models[executor] = load(executor)
-        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count()}
+        busy, own = _machine_busy_s(), time.process_time()
+        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(), "measured": round(time.time())}
+        # What else ran meanwhile: a choice made while other processes (or the hypervisor's other guests) took
+        # the cores may not be the quiet machine's; the backend option `recalibrate` measures again.
+        if busy is not None and (now := _machine_busy_s()) is not None and record["elapsed_s"] > 0:
+            others = (now - busy) - (time.process_time() - own)
+            record["other_cpu"] = round(max(others, 0.0) / record["elapsed_s"], 2)
     except (RuntimeError, ValueError, DelegateError, ExecutionError) as e:
         log.info("%s: executors not calibrated: %s", where, e)
         return {"functions": {}, "note": f"not calibrated: its functions could not run on example inputs ({e})"}
@@ -125,6 +132,30 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
     return record
 
 
+def _machine_busy_s() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot, steal time included (/proc/stat); None
+    where unreadable (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
+    ticks = [int(v) for v in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The record after measuring again (backend option `recalibrate`): `new`'s figures replace those of the
+    functions it timed; `old`'s figures of other functions (served by other loads of the entry) stay, unless they
+    were measured with another number of task workers or `new` timed nothing, then `new` alone."""
+    if not old or not new.get("functions") or old.get("workers") != new.get("workers"):
+        return dict(new)
+    return {**old, **new, "functions": {**(old.get("functions") or {}), **new["functions"]}}
+
+
 def describe(record: Mapping[str, Any] | None) -> str:
     """One line for logs and `onecopy inspect`: each function's mean latency on both executors."""
     if not record:
@@ -132,5 +163,7 @@ def describe(record: Mapping[str, Any] | None) -> str:
     timed = record.get("functions") or {}
     if not timed:
         return str(record.get("note") or "not calibrated")
-    return ", ".join(f"{f} parallel {t['parallel_ms']:.3f} / inline {t['inline_ms']:.3f} ms "
+    line = ", ".join(f"{f} parallel {t['parallel_ms']:.3f} / inline {t['inline_ms']:.3f} ms "
                      f"({choose(record, [f])})" for f, t in timed.items())
+    others = record.get("other_cpu")
+    return line + (f"; other processes used {others:.2f} cores meanwhile" if isinstance(others, (int, float)) else "")

@@ -16,6 +16,7 @@ from onecopy.delegate.precision import check_precision_runs_here, precision_flag
 from onecopy.delegate.targets import (
     Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver, select_target,
 )
+from onecopy.errors import InvalidArgument
 from onecopy.runtime.init_context import InitContext
 
 __all__ = ["Resolved", "resolve", "tunes"]
@@ -23,7 +24,14 @@ __all__ = ["Resolved", "resolve", "tunes"]
 
 def _driver(context: InitContext, target: Target) -> str:
     options = context.backend_options
-    return runtime_driver(target, options.get("executor"), context.where, threads=options.get("threads"))
+    driver = runtime_driver(target, options.get("executor"), context.where, threads=options.get("threads"))
+    if options.get("recalibrate") and driver:
+        named = ", ".join(f"{k}={options[k]!r}" for k in ("executor", "threads") if options.get(k) is not None)
+        raise InvalidArgument(
+            f"{context.where}: backend option recalibrate=True measures which CPU executor to use, but this load "
+            + (f"names one ({named})" if named else f"runs on {target.name}, which has no CPU executors")
+            + ". Drop recalibrate, or load with executor='auto' on the CPU.")
+    return driver
 
 
 def tunes(context: InitContext, manifest: Manifest) -> bool:

@@ -55,8 +55,8 @@ from onecopy.errors import DelegateError
 from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
-    "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "Compiled", "Specialization", "compile_with_encoder", "encode",
-    "specialize", "wants_encoder",
+    "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "RECALIBRATE_BUDGET_S", "Compiled", "Specialization",
+    "compile_with_encoder", "encode", "manifest_signatures", "recalibrate", "specialize", "wants_encoder",
 ]
 
 log = logging.getLogger("onecopy")
@@ -264,7 +264,8 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     return chosen
 
 
-def _calibrate_executors(module: bytes | memoryview, found: list[Signature], packed: Mapping[str, np.ndarray],
+def _calibrate_executors(module: bytes | memoryview, found: list[Signature],
+                         packed: Mapping[str, np.ndarray | memoryview],
                          parameters: Mapping[str, memoryview], target: Target, where: str,
                          state_zeros: Mapping[str, int] | None, budget_s: float) -> dict:
     """Each public function of `module` (signatures `found`) timed on IREE's workers and on the calling thread,
@@ -295,11 +296,28 @@ def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], ta
     started = time.perf_counter()
     made = Specialization(None, _encode(encoder, parameters, target, where))
     if target.compute_unit == "cpu" and code is not None and functions:
-        found = [Signature(name, tuple((tuple(shape), dtype) for shape, dtype in sig.arguments), sig.results)
-                 for name, sig in functions.items()]
-        made.executors = _calibrate_executors(code, found, made.encoded, parameters, target, where, state_zeros,
-                                              _budget(started))
+        made.executors = _calibrate_executors(code, manifest_signatures(functions), made.encoded, parameters, target,
+                                              where, state_zeros, _budget(started))
     return made
+
+
+def manifest_signatures(functions: Mapping[str, FunctionSignature]) -> list[Signature]:
+    """The functions a `vmfb` program's manifest lists, as tuning's signatures (what calibration times)."""
+    return [Signature(name, tuple((tuple(shape), dtype) for shape, dtype in sig.arguments), sig.results)
+            for name, sig in functions.items()]
+
+
+# A user who asks for it can afford the longest timing specialization gives itself.
+RECALIBRATE_BUDGET_S = 2.0
+
+
+def recalibrate(code: bytes | memoryview, found: list[Signature], encoded: Mapping[str, memoryview],
+                parameters: Mapping[str, memoryview], target: Target, where: str,
+                state_zeros: Mapping[str, int] | None, budget_s: float = RECALIBRATE_BUDGET_S) -> dict:
+    """Time the functions `found` of a restored specialization (its `code` and `encoded` weights) on both CPU
+    executors again, as specialization did: backend option `recalibrate`, for a choice first made while the
+    machine was busy. Compiles nothing, so `ONECOPY_FORBID_SPECIALIZE` does not refuse it."""
+    return _calibrate_executors(code, found, encoded, parameters, target, where, state_zeros, budget_s)
 
 
 def _encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str) -> dict[str, np.ndarray]:
