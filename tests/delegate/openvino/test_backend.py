@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -55,5 +57,42 @@ def test_an_unknown_precision_is_refused(conv_programs, tmp_path):
     try:
         with pytest.raises(InvalidArgument, match=r"\['inference_precision'\] is 'f8'; expected one of f32, bf16"):
             _init(loaded, tmp_path, inference_precision="f8")
+    finally:
+        loaded.close()
+
+
+def test_calls_from_several_threads_run_side_by_side_each_on_its_own_request(conv_programs, conv_net, tmp_path):
+    loaded = read_program(conv_programs[1])
+    try:
+        delegate = _init(loaded, tmp_path)
+        rng = np.random.default_rng(1)
+        xs = [rng.standard_normal((1, 3, 16, 16)).astype(np.float32) for _ in range(4)]
+        with torch.no_grad():
+            wants = [conv_net(torch.from_numpy(x)).numpy() for x in xs]
+        requests = delegate._requests
+        with requests.request():  # a call in flight holds one request: another thread's call does not wait for it
+            with ThreadPoolExecutor(1) as other:
+                (y,) = other.submit(delegate.execute, [xs[0]], [None], CopyStats()).result(timeout=60)
+            assert requests.made == 2
+        np.testing.assert_allclose(y, wants[0], rtol=1e-5, atol=1e-5 * float(np.abs(wants[0]).max()))
+
+        def calls(i):  # four threads, each its own input, repeatedly: every answer is its own input's
+            return [delegate.execute([xs[i]], [None], CopyStats())[0] for _ in range(10)]
+
+        with ThreadPoolExecutor(4) as pool:
+            for i, got in enumerate(pool.map(calls, range(4))):
+                for y in got:
+                    np.testing.assert_allclose(y, wants[i], rtol=1e-5, atol=1e-5 * float(np.abs(wants[i]).max()))
+        assert 2 <= requests.made <= 4  # one per call in flight, kept for the next
+        # Destroyed while a call is in flight: that call finishes on the model and weights it holds; later calls
+        # are refused.
+        with requests.request() as request:
+            delegate.destroy()
+            with pytest.raises(InvalidArgument, match="destroyed"):
+                delegate.execute([xs[1]], [None], CopyStats())
+            (y,) = request.infer([xs[1]], share_inputs=False, share_outputs=False).values()
+            np.testing.assert_allclose(y, wants[1], rtol=1e-5, atol=1e-5 * float(np.abs(wants[1]).max()))
+            assert requests._weights is not None
+        assert requests._weights is None and requests._compiled is None
     finally:
         loaded.close()

@@ -13,10 +13,11 @@ changes answers by ~1e-2. `load_program(..., precision="bf16")` asks for it, as 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,19 +56,63 @@ def _shared_core(ov: Any) -> Any:
         return _core
 
 
+class _Requests:
+    """The compiled model's infer requests: one per call in flight, made when a call finds none free and kept for
+    the next (each holds its own intermediate tensors, so calls from several threads run side by side; a single
+    caller makes one). Closing drops the model and the weights it reads once the last call in flight returns."""
+
+    def __init__(self, compiled: Any, weights: np.ndarray) -> None:
+        self._compiled: Any = compiled
+        self._weights: np.ndarray | None = weights  # the model reads its constants from here: mapped while it lives
+        self._free: list[Any] = []
+        self._busy = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self.made = 0
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[Any]:
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("The OpenVINO delegate was destroyed (its program is closed); load it again.")
+            if self._free:
+                request = self._free.pop()
+            else:
+                request = self._compiled.create_infer_request()
+                self.made += 1
+            self._busy += 1
+        try:
+            yield request
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._closed:
+                    self._free.append(request)
+                elif self._busy == 0:
+                    self._release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._free.clear()
+            if self._busy == 0:
+                self._release()
+
+    def _release(self) -> None:
+        self._compiled = None
+        self._weights = None
+
+
 class OpenVinoDelegate(DelegateHandle):
     function = "openvino"
 
     def __init__(self, compiled: Any, weights: np.ndarray, outputs: int) -> None:
-        self._compiled = compiled
-        self._request = compiled.create_infer_request()
-        self._weights = weights  # the model reads its constants from here: keep it mapped while the model lives
+        self._requests = _Requests(compiled, weights)
         self._outputs = outputs
-        self._lock = threading.Lock()  # one infer request: one call at a time
 
     @property
     def runs_on(self) -> str:
-        return "OpenVINO CPU (one call at a time)"
+        return "OpenVINO CPU"
 
     def execute(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray | None], stats: CopyStats
                 ) -> list[np.ndarray]:
@@ -78,10 +123,8 @@ class OpenVinoDelegate(DelegateHandle):
                 a = np.ascontiguousarray(a)
                 stats.copied_in += a.nbytes
             arrays.append(a)
-        with self._lock:
-            if self._request is None:
-                raise InvalidArgument("The OpenVINO delegate was destroyed (its program is closed); load it again.")
-            results = self._request.infer(arrays, share_inputs=True, share_outputs=False)
+        with self._requests.request() as request:
+            results = request.infer(arrays, share_inputs=True, share_outputs=False)  # outputs: copies of its own
             produced = [results[i] for i in range(self._outputs)]
         out = []
         for value, given in zip(produced, outputs):
@@ -93,10 +136,7 @@ class OpenVinoDelegate(DelegateHandle):
         return out
 
     def destroy(self) -> None:
-        with self._lock:
-            self._request = None
-            self._compiled = None
-            self._weights = None
+        self._requests.close()
 
 
 class OpenVinoBackend(Backend):
