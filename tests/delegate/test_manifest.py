@@ -116,3 +116,17 @@ def test_a_state_whose_size_disagrees_with_its_shape_is_refused():
         parse_manifest(raw, "Method 'decode', delegate 0")
     raw["states"][0].update(nbytes=512)
     assert parse_manifest(raw, "here").states[0].nbytes == 512
+
+
+def test_a_vmfb_bundle_key_of_an_unknown_precision_is_refused(small_vmfb_program):
+    manifest = small_vmfb_program.definition.delegates[0].manifest
+    with pytest.raises(DelegateError, match=rf"bundle key\(s\) {HOST}@f8 name an unknown precision \(known: fp32, bf16\)"):
+        load_forward(with_manifest(small_vmfb_program, 0, bundle={**manifest["bundle"], f"{HOST}@f8": "bundle/x"}))
+
+
+def test_bundle_keys_name_target_and_precision():
+    from onecopy.delegate.manifest import bundle_key, split_bundle_key
+
+    assert bundle_key("x86_64") == bundle_key("x86_64", "fp32") == "x86_64"
+    assert bundle_key("aarch64", "bf16") == "aarch64@bf16"
+    assert split_bundle_key("aarch64@bf16") == ("aarch64", "bf16") and split_bundle_key("x86_64") == ("x86_64", "fp32")

@@ -9,6 +9,7 @@ import onecopy.delegate.targets as targets
 from onecopy import Runtime
 from onecopy.delegate.precision import native_bf16_flags, precision_flags
 from onecopy.errors import InvalidArgument
+from onecopy.export import CompileSpec, export_program
 
 X = np.random.default_rng(3).standard_normal((1, 64)).astype(np.float32)
 
@@ -72,12 +73,57 @@ def test_fp32_needs_no_cpu_feature(small_program_path, tmp_path, monkeypatch):
     np.testing.assert_allclose(run(small_program_path, tmp_path, "fp32"), run(small_program_path, tmp_path, "fp32"))
 
 
-def test_a_vmfb_program_is_refused_in_bf16_its_code_is_fp32(small_vmfb_program_path, tmp_path):
+def test_a_vmfb_program_compiled_in_fp32_only_is_refused_in_bf16(small_vmfb_program_path, tmp_path):
     program = Runtime(cache_dir=tmp_path).load_program(small_vmfb_program_path, precision="bf16")
-    with pytest.raises(InvalidArgument, match=r"precision='bf16' needs a portable program \(packaging='mlir'\): a "
-                                              r"'vmfb' program's code was compiled in fp32 at export"):
+    with pytest.raises(InvalidArgument, match=r"precision='bf16' but this vmfb program holds x86_64 code in fp32 only\. "
+                                              r"Re-export with CompileSpec\(packaging='vmfb', precisions=\('fp32', 'bf16'\)\)"):
         program.load_method("forward")
     program.close()
+
+
+@pytest.fixture(scope="module")
+def vmfb_bf16_path(small_methods, tmp_path_factory):
+    """The small model as a vmfb program compiled in fp32 and bf16 (x86_64: code for x86-64-v4 + AVX512-BF16)."""
+    return export_program(small_methods, compile_spec=CompileSpec(packaging="vmfb", precisions=("fp32", "bf16"))).save(
+        tmp_path_factory.mktemp("bf16") / "small-vmfb-bf16.onecopy")
+
+
+def test_a_vmfb_program_carries_each_targets_code_in_each_precision(vmfb_bf16_path):
+    with Runtime().load_program(vmfb_bf16_path) as program:
+        manifest = program.definition.delegates[0].manifest
+    host = targets.host_cpu_target().name
+    assert set(manifest["bundle"]) == set(manifest["encoders"]) == {host, f"{host}@bf16"}
+    assert len(set(manifest["bundle"].values())) == 2  # two codes, one weights store
+
+
+@needs_native_bf16
+def test_a_vmfb_program_runs_its_bf16_code_in_bf16_and_restores_each(vmfb_bf16_path, tmp_path, states, monkeypatch):
+    first = {precision: run(vmfb_bf16_path, tmp_path, precision) for precision in ("fp32", "bf16")}
+    scale = float(np.abs(first["fp32"]).max())
+    error = float(np.abs(first["bf16"] - first["fp32"]).max())
+    cosine = float(first["fp32"].ravel() @ first["bf16"].ravel()
+                   / np.linalg.norm(first["fp32"]) / np.linalg.norm(first["bf16"]))
+    assert error < 2e-2 * scale and cosine > 0.999
+    assert error > 1e-4 * scale, "precision='bf16' gave fp32 answers: the fp32 code ran"
+    assert entry_precisions(tmp_path) == ["bf16", "fp32"]  # each precision's packed weights, an entry each
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")
+    for precision in ("bf16", "fp32"):
+        np.testing.assert_array_equal(run(vmfb_bf16_path, tmp_path, precision), first[precision])
+    assert states()[-2:] == ["restored", "restored"]
+
+
+def test_vmfb_bf16_code_is_refused_on_a_cpu_without_its_baseline(vmfb_bf16_path, tmp_path, monkeypatch):
+    # native bf16, but not the rest of x86-64-v4 the code was compiled for
+    monkeypatch.setattr(targets, "_cpu_flags", lambda: frozenset({"avx2", "fma", "bmi2", "f16c", "avx512f", "avx512_bf16",
+                                                                  "bf16"}))
+    program = Runtime(cache_dir=tmp_path).load_program(vmfb_bf16_path, precision="bf16")
+    if targets.host_cpu_target().name == "x86_64":
+        with pytest.raises(InvalidArgument, match=r"the program's bf16 code was compiled for CPUs with avx512f, "
+                                                  r"avx512bw, .*; this CPU lacks avx512bw, avx512vl, avx512dq, avx512cd\. "
+                                                  r"Load with precision='fp32'"):
+            program.load_method("forward")
+    program.close()
+    assert entry_precisions(tmp_path) == []
 
 
 def test_fp32_adds_no_flag_bf16_demotes_contraction_inputs():

@@ -184,6 +184,13 @@ def test_bad_methods_are_refused(methods, message):
         ({"packaging": "vmfb", "targets": "x86_64"}, "targets is a tuple of target names"),
         ({"packaging": "vmfb", "targets": ("x86_64", "x86_64")}, "name a target twice"),
         ({"packaging": "vmfb", "compute_units": "gpu", "targets": ("x86_64",)}, "compute units 'gpu' but targets"),
+        ({"packaging": "vmfb", "precisions": ("bf16",)}, r"precisions \('bf16',\) must start with 'fp32'"),
+        ({"packaging": "vmfb", "precisions": ("fp32", "fp32")}, "name each precision once"),
+        ({"packaging": "vmfb", "precisions": ("fp32", "f8")}, r"unknown precision\(s\) 'f8'; known: fp32, bf16"),
+        ({"packaging": "vmfb", "precisions": "bf16"}, "precisions is a tuple of precision names"),
+        ({"packaging": "mlir", "precisions": ("fp32", "bf16")}, "precisions apply to packaging='vmfb' only"),
+        ({"packaging": "vmfb", "compute_units": "all", "targets": ("x86_64", "vulkan"), "precisions": ("fp32", "bf16")},
+         "precision 'bf16' is compiled ahead of time for CPU targets only .*not vulkan"),
     ],
 )
 def test_compile_spec_errors(kwargs, message):

@@ -315,12 +315,12 @@ class IreeBackend(Backend):
         # encoder; the module runs in place from the program file).
         produce: Callable[[Path | None], Specialization] | None
         if manifest.packaging == "vmfb":
-            code: bytes | memoryview | None = _code(context, manifest.bundle[target.name], "bundle")
-            encoder_key = manifest.encoders.get(target.name)
+            code: bytes | memoryview | None = _code(context, manifest.bundle[resolved.bundle], "bundle")
+            encoder_key = manifest.encoders.get(resolved.bundle)
             if encoder_key is None:  # nothing packed ahead of time (older program, non-CPU target, no data tiling)
                 produce = None
             else:
-                encoder_what = f"parameter encoder for {target.name}"
+                encoder_what = f"parameter encoder for {resolved.bundle}"
                 _named(context.named_data, encoder_key, encoder_what, where)
                 # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
                 vmfb = code  # bound now: `code` is rebound below

@@ -10,6 +10,10 @@ Example (a portable delegate of a single-function module):
 place), exported for caller-provided outputs. `bundle` has one key per target for `vmfb` packaging (`{"x86_64": …, "aarch64": …}`) and the single key
 `portable` for `mlir`. `parameters` maps each engine parameter name (scope `model`) to its named data key.
 
+A `vmfb` program compiled in more precisions than fp32 (`CompileSpec(precisions=...)`) holds each target's code in
+each: key `x86_64` is the fp32 code, `x86_64@bf16` the bf16 code (`bundle_key`). A reader that knows no precisions
+sees a key that names no target and ignores it.
+
 `encoders` (optional, `vmfb` only; absent means none) maps a target of `bundle` to the named data key of that
 target's parameter encoder: a small `.vmfb` compiled at export beside the data-tiled bundle. The bundle then reads
 its packed weights from the parameter scope `encoded`; the loader runs the encoder once per machine and caches its
@@ -26,8 +30,9 @@ import msgspec
 import numpy as np
 
 from onecopy.errors import DelegateError
+from onecopy.runtime.backend_options import DEFAULT_PRECISION, PRECISIONS
 
-__all__ = ["BACKEND", "MANIFEST_VERSION", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "READ_STATES", "RESET_STATES",
+__all__ = ["BACKEND", "MANIFEST_VERSION", "bundle_key", "split_bundle_key", "PACKAGINGS", "PORTABLE", "PARAMETER_SCOPE", "READ_STATES", "RESET_STATES",
            "STATE_FUNCTIONS", "WRITE_STATES", "FunctionSignature", "Manifest", "StateEntry", "parse_manifest",
            "missing_named_data"]
 
@@ -92,6 +97,17 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
         return msgspec.to_builtins(self)
 
 
+def bundle_key(target: str, precision: str = DEFAULT_PRECISION) -> str:
+    """The `bundle` and `encoders` key of `target`'s vmfb code in `precision`."""
+    return target if precision == DEFAULT_PRECISION else f"{target}@{precision}"
+
+
+def split_bundle_key(key: str) -> tuple[str, str]:
+    """(target, precision) of a vmfb `bundle` key."""
+    target, _, precision = key.partition("@")
+    return target, precision or DEFAULT_PRECISION
+
+
 def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
     """Validate a manifest read from a program. Every problem is a `DelegateError` naming `where` and the field."""
     if not isinstance(raw, Mapping):
@@ -113,6 +129,10 @@ def parse_manifest(raw: Mapping[str, Any], where: str) -> Manifest:
         raise DelegateError(f"{where}: an mlir manifest needs exactly the bundle key '{PORTABLE}'. Re-export the program.")
     if not manifest.bundle:
         raise DelegateError(f"{where}: the manifest names no bundle. Re-export the program.")
+    odd = [key for key in manifest.bundle if split_bundle_key(key)[1] not in PRECISIONS]
+    if manifest.packaging == "vmfb" and odd:
+        raise DelegateError(f"{where}: bundle key(s) {', '.join(odd)} name an unknown precision (known: "
+                            f"{', '.join(PRECISIONS)}). Re-export the program.")
     if manifest.signatures and manifest.packaging != "vmfb":
         raise DelegateError(f"{where}: field `signatures` applies to vmfb manifests only, this one is "
                             f"{manifest.packaging}. Re-export the program.")

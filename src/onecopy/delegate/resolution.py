@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 from onecopy.delegate.cache import SpecializationCache, cache_disabled, cache_key, open_cache
 from onecopy.delegate.engine import compiler_version, runtime_version
-from onecopy.delegate.manifest import Manifest
-from onecopy.delegate.precision import check_precision_runs_here, precision_flags
+from onecopy.delegate.manifest import PORTABLE, Manifest, bundle_key, split_bundle_key
+from onecopy.delegate.precision import aot_precision, check_precision_runs_here, precision_flags
 from onecopy.delegate.targets import (
     Target, check_target_runs_here, compiler_flags, cpu_flags, host_features, runtime_driver, select_target,
 )
 from onecopy.errors import InvalidArgument
+from onecopy.runtime.backend_options import DEFAULT_PRECISION
 from onecopy.runtime.init_context import InitContext
 
 __all__ = ["Resolved", "resolve", "tunes"]
@@ -52,6 +53,7 @@ class Resolved:
     precision: str = "fp32"
     driver: str = ""  # the HAL driver the model runs on; "" on a CPU: the executor measured faster (executors.py)
     workers: int | None = None  # IREE task workers (backend option threads); None: one per physical core
+    bundle: str = PORTABLE  # the manifest's `bundle` (and `encoders`) key of the code loaded
 
     @property
     def key_prefix(self) -> str:
@@ -72,21 +74,22 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
     units = context.backend_options.get("compute_units", manifest.compute_units)
     precision, threads = context.precision, context.backend_options.get("threads")
     if manifest.packaging == "vmfb":
-        check_precision_runs_here(precision, compute_unit="cpu", packaging="vmfb", cpu_flags=(), where=where)
-        target = select_target(units, where, candidates=tuple(manifest.bundle))
+        target = select_target(units, where, candidates=tuple(manifest.bundle))  # fp32 keys: the targets' names
         check_target_runs_here(target, where)
+        bundle = _vmfb_bundle(manifest, target, precision, where)
         driver = _driver(context, target)
         # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
-        if target.name not in manifest.encoders or cache_disabled():
-            return Resolved(manifest, units, target, None, None, precision, driver, threads)
+        if bundle not in manifest.encoders or cache_disabled():
+            return Resolved(manifest, units, target, None, None, precision, driver, threads, bundle)
         # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
-        # compiler is involved, nor needed, on a device loading a vmfb program.
+        # compiler is involved, nor needed, on a device loading a vmfb program. Its precision is in the key
+        # (fp32 keys stay those of entries made before vmfb programs had precisions).
         features, engine = host_features(target), f"runtime {runtime_version()}"
+        features += f"|{precision}" if precision != DEFAULT_PRECISION else ""
     else:
         target = select_target(units, where)
         driver = _driver(context, target)
-        check_precision_runs_here(precision, compute_unit=target.compute_unit, packaging="mlir",
-                                  cpu_flags=cpu_flags(), where=where)
+        check_precision_runs_here(precision, compute_unit=target.compute_unit, cpu_flags=cpu_flags(), where=where)
         if cache_disabled():
             return Resolved(manifest, units, target, None, None, precision, driver, threads)
         flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
@@ -104,4 +107,23 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         features=features,
         compiler=engine,
     )
-    return Resolved(manifest, units, target, cache, key, precision, driver, threads)
+    return Resolved(manifest, units, target, cache, key, precision, driver, threads,
+                    bundle if manifest.packaging == "vmfb" else PORTABLE)
+
+
+def _vmfb_bundle(manifest: Manifest, target: Target, precision: str, where: str) -> str:
+    """The `bundle` key of the vmfb code this load runs: `target`'s in `precision`, checked to be in the program
+    and to run on this CPU."""
+    key = bundle_key(target.name, precision)
+    if precision == DEFAULT_PRECISION:
+        return key
+    if key not in manifest.bundle:
+        held = sorted({split_bundle_key(k)[1] for k in manifest.bundle if split_bundle_key(k)[0] == target.name})
+        raise InvalidArgument(
+            f"{where}: precision='{precision}' but this vmfb program holds {target.name} code in {', '.join(held)} "
+            f"only. Re-export with CompileSpec(packaging='vmfb', precisions=('fp32', '{precision}')) or "
+            f"packaging='mlir', or load with precision='{DEFAULT_PRECISION}'.")
+    aot = aot_precision(target.name, precision)
+    check_precision_runs_here(precision, compute_unit=target.compute_unit, cpu_flags=cpu_flags(), where=where,
+                              needs=aot.cpu_flags if aot else ())
+    return key

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from onecopy.delegate.manifest import PACKAGINGS
+from onecopy.delegate.precision import aot_precision
 from onecopy.delegate.targets import COMPUTE_UNITS, TARGETS, host_cpu_target
 from onecopy.errors import InvalidArgument
+from onecopy.runtime.backend_options import DEFAULT_PRECISION, PRECISIONS
 from onecopy.export.rewrites import DEFAULT_REWRITES, REWRITES
 
 __all__ = ["CompileSpec", "DELEGATES"]
@@ -35,9 +37,13 @@ class CompileSpec:
             `pip install 'onecopy[openvino]'` at export, and at a load with `prefer="latency"`). With "openvino",
             eval-mode batch norms are folded into their convolutions for both delegates, so both read one copy of
             the same weights.
+        precisions: for "vmfb" only: the precisions each target's code is compiled in, "fp32" (always, first)
+            and "bf16" (contractions on bf16 inputs, f32 accumulation; compiled for a CPU baseline with native
+            bf16, e.g. x86-64-v4 + AVX512-BF16, so only such CPUs load it): `load_program(precision=...)` picks
+            one. An "mlir" program is compiled on the device, in whatever precision a load asks for.
 
     Example:
-        CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"))
+        CompileSpec(packaging="vmfb", targets=("x86_64", "aarch64"), precisions=("fp32", "bf16"))
     """
 
     packaging: str = "mlir"
@@ -46,6 +52,7 @@ class CompileSpec:
     check_compiles: bool = True
     rewrites: tuple[str, ...] = DEFAULT_REWRITES
     delegates: tuple[str, ...] = ("iree",)
+    precisions: tuple[str, ...] = (DEFAULT_PRECISION,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "delegates", _names("delegates", "delegate", self.delegates, DELEGATES))
@@ -70,9 +77,22 @@ class CompileSpec:
             )
         if len(set(self.targets)) != len(self.targets):
             raise InvalidArgument(f"CompileSpec: targets {self.targets} name a target twice.")
+        object.__setattr__(self, "precisions", _names("precisions", "precision", self.precisions, PRECISIONS))
+        if not self.precisions or self.precisions[0] != DEFAULT_PRECISION or len(set(self.precisions)) != len(self.precisions):
+            raise InvalidArgument(f"CompileSpec.precisions {self.precisions} must start with '{DEFAULT_PRECISION}' (what "
+                                  "a load gets by default) and name each precision once, e.g. ('fp32', 'bf16').")
+        if self.packaging == "mlir" and len(self.precisions) > 1:
+            raise InvalidArgument("CompileSpec: precisions apply to packaging='vmfb' only; an mlir program is compiled "
+                                  "on the device in the precision each load asks for (load_program(precision=...)).")
         if self.packaging == "vmfb":
             if not self.targets:
                 object.__setattr__(self, "targets", (host_cpu_target().name,))
+            for precision in self.precisions[1:]:
+                cannot = [t for t in self.targets if aot_precision(t, precision) is None]
+                if cannot:
+                    raise InvalidArgument(f"CompileSpec: precision '{precision}' is compiled ahead of time for CPU "
+                                          f"targets only (x86_64, aarch64), not {', '.join(cannot)}; drop it from "
+                                          "precisions or from targets.")
             units = {TARGETS[t].compute_unit for t in self.targets}
             if self.compute_units != "all" and self.compute_units not in units:
                 raise InvalidArgument(

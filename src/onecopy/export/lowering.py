@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE, FunctionSignature
+from onecopy.delegate.manifest import PARAMETER_SCOPE, PORTABLE, FunctionSignature, bundle_key
+from onecopy.delegate.precision import aot_precision, precision_flags
 from onecopy.delegate.compiler import compile_bundle
 from onecopy.delegate.specialize import compile_with_encoder, wants_encoder
 from onecopy.delegate.targets import TARGETS, Target
@@ -165,14 +166,22 @@ def lower(functions: Sequence[StagedFunction], parameters: Mapping[str, torch.Te
     where = "; ".join(f.where for f in functions)
     for name in spec.targets:
         target = TARGETS[name]
-        try:
-            compiled = compile_with_encoder(bytecode, target, for_host=False, where=where,
-                                            with_encoder=wants_encoder(has_parameters, target))
-        except DelegateError as e:
-            raise CompileFailed(f"{where}: {e}", target=target, for_host=False) from e
-        code[name] = compiled.module
-        if compiled.encoder is not None:
-            encoders[name] = compiled.encoder
+        for precision in spec.precisions:
+            # Another precision than fp32: its semantic flags (precision_flags), on a CPU baseline that has the
+            # instructions it needs (aot_precision); its encoder packs the weights for that code.
+            aot = aot_precision(name, precision)
+            key = bundle_key(name, precision)
+            try:
+                # The baseline goes with the semantic flags: a compile that falls back (no data tiling) must not
+                # fall back to a CPU without the instructions, either.
+                compiled = compile_with_encoder(
+                    bytecode, target, for_host=False, where=where, with_encoder=wants_encoder(has_parameters, target),
+                    semantic_flags=(*(aot.compiler_flags() if aot else ()), *precision_flags(precision)))
+            except DelegateError as e:
+                raise CompileFailed(f"{where} ({key}): {e}", target=target, for_host=False) from e
+            code[key] = compiled.module
+            if compiled.encoder is not None:
+                encoders[key] = compiled.encoder
     return LoweredBundle(spec.packaging, code, names, encoders, _signatures(bytecode))
 
 
