@@ -67,12 +67,13 @@ def test_run_reports_bad_input_as_an_error_not_a_traceback(small_program_path, t
 def test_export_writes_a_program_that_runs(tmp_path, capsys):
     path = tmp_path / "two.onecopy"
     code = main(["export", "tests.conftest:small_builtin", "--method", "forward=1x64", "--method", "prefill=16x64",
-                 "--packaging", "vmfb", "--skip-op", "aten.relu.default", "-o", str(path)])
+                 "--packaging", "vmfb", "--skip-op", "aten.relu.default", "--precision", "bf16", "-o", str(path)])
     assert code == 0, capsys.readouterr().err
     assert path.exists()
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert "host_op aten.relu.default" in out and "(vmfb)" in out
+    assert f"{host_cpu_target().name}@bf16.vmfb" in out  # each target's code in fp32 and in bf16
 
 
 @pytest.mark.parametrize(

@@ -148,7 +148,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     program = export_program(
         methods,
         partitioner=Partitioner(multifunction=args.multifunction, skip_ops=tuple(args.skip_op)),
-        compile_spec=CompileSpec(packaging=args.packaging, compute_units=args.compute_units, targets=tuple(args.target)),
+        compile_spec=CompileSpec(packaging=args.packaging, compute_units=args.compute_units, targets=tuple(args.target),
+                                 precisions=("fp32", *dict.fromkeys(p for p in args.precision if p != "fp32"))),
     )
     path = program.save(args.output)
     print(f"wrote {path} ({_mib(path.stat().st_size)})")
@@ -339,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--packaging", choices=("mlir", "vmfb"), default="mlir")
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"), default="cpu")
     p.add_argument("--target", action="append", default=[], help="vmfb target (x86_64, aarch64, ...); repeatable")
+    p.add_argument("--precision", action="append", default=[], choices=("fp32", "bf16"),
+                   help="vmfb: also compile each target's code in this precision (fp32 always); repeatable")
     p.add_argument("--skip-op", action="append", default=[], help="op left on the host, e.g. aten.relu.default")
     p.add_argument("--multifunction", action="store_true", help="all methods and partitions in one engine module")
     p.set_defaults(func=cmd_export)
@@ -352,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int, help="tokens one prefill call takes (default: min(32, cache))")
     p.add_argument("--packaging", choices=("mlir", "vmfb"), default="mlir")
     p.add_argument("--target", action="append", default=[], help="vmfb target (x86_64, aarch64, ...); repeatable")
+    p.add_argument("--precision", action="append", default=[], choices=("fp32", "bf16"),
+                   help="vmfb: also compile each target's code in this precision (fp32 always); repeatable")
     p.add_argument("--seed", type=int, default=0, help="for random weights (a config without a checkpoint)")
     p.set_defaults(func=cmd_export_hf)
 
