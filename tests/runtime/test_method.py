@@ -100,6 +100,34 @@ def test_a_call_shaped_as_a_checked_one_skips_the_checks(small_program_path, sma
         np.testing.assert_allclose(forward.execute((strided,))[0], eager(small_model, first)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_call_into_storage_shaped_as_a_checked_one_skips_the_checks(small_program_path, small_model, rng,
+                                                                       monkeypatch):
+    """Output storage passed to avoid an allocation per call must not cost more than returning new arrays: a call
+    whose inputs and storage have the shapes and dtypes of one that passed the checks goes straight to the
+    delegate and writes the storage; storage that would fail the checks (read-only, another dtype) still does."""
+    with Runtime().load_program(small_program_path) as program:
+        forward = program.load_method("forward")
+        out = np.empty((1, 64), np.float32)
+        forward.execute([rng.standard_normal((1, 64), dtype=np.float32)], outputs=[out])
+        checks = type(forward)._arguments
+        monkeypatch.setattr(type(forward), "_arguments", lambda *a: pytest.fail("the checks ran again"))
+        for storage in (out, np.empty((1, 64), np.float32)):  # the same storage, or other storage of its kind
+            x = rng.standard_normal((1, 64), dtype=np.float32)
+            (y,) = forward.execute([x], outputs=[storage])
+            assert y is storage
+            np.testing.assert_allclose(storage, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+            assert forward.last_copy_stats.copied_in == x.nbytes and forward.last_copy_stats.copied_out == y.nbytes
+        monkeypatch.setattr(type(forward), "_arguments", checks)
+        x = np.zeros((1, 64), np.float32)
+        readonly = np.zeros((1, 64), np.float32)
+        readonly.flags.writeable = False
+        with pytest.raises(ExecutionError, match="Output 0 of method 'forward' is read-only"):
+            forward.execute([x], outputs=[readonly])
+        with pytest.raises(ExecutionError, match="Output 0 of method 'forward' has dtype float64"):
+            forward.execute([x], outputs=[np.zeros((1, 64), np.float64)])
+        assert forward.execute([x], outputs=[None])[0].shape == (1, 64)  # storage for none: the runtime's arrays
+
+
 def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constants():
 
     from onecopy.runtime.backend import RunReport
@@ -128,6 +156,9 @@ def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constant
     direct = CheckedCall(method, handle, templates, (0, 1, 2), outputs=1)
     direct.run([a, b, c])
     assert [x is y for x, y in zip(handle.seen[0], (a, b, c))] == [True] * 3
+    out = np.empty(5)
+    into = CheckedCall(method, handle, templates, (0, 1, 2), outputs=1, out_templates=(out,))
+    assert into.run([a, b, c], [out]) == ["result"] and handle.seen[1] == [out]  # the storage, to write
     handle.has_bound_surfaces = True  # bound since: the call must go the checked way
     assert direct.run([a, b, c]) is None
 

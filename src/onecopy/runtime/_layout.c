@@ -100,12 +100,13 @@ done:
     return result;
 }
 
-/* same_shapes(args, templates) -> bool: `args` (a list or tuple) holds exactly as many numpy arrays (exactly) as
- * `templates` (a tuple of arrays), each with the shape and dtype of its template; addresses and strides are not
- * compared. */
+/* same_shapes(args, templates, writable=False) -> bool: `args` (a list or tuple) holds exactly as many numpy
+ * arrays (exactly) as `templates` (a tuple of arrays), each with the shape and dtype of its template, and writable
+ * when `writable` (output storage); addresses and strides are not compared. */
 static PyObject *same_shapes(PyObject *module, PyObject *args) {
     PyObject *given, *templates;
-    if (!PyArg_ParseTuple(args, "OO!", &given, &PyTuple_Type, &templates)) return NULL;
+    int writable = 0;
+    if (!PyArg_ParseTuple(args, "OO!|p", &given, &PyTuple_Type, &templates, &writable)) return NULL;
     Py_ssize_t n = 0;
     PyObject *const *items = NULL;
     if (!items_of(given, &items, &n) || n != PyTuple_GET_SIZE(templates)) Py_RETURN_FALSE;
@@ -118,6 +119,7 @@ static PyObject *same_shapes(PyObject *module, PyObject *args) {
         if (nd > 0 && memcmp(PyArray_DIMS(x), PyArray_DIMS(y), nd * sizeof(npy_intp)) != 0) Py_RETURN_FALSE;
         if (PyArray_DESCR(x) != PyArray_DESCR(y) && !PyArray_EquivTypes(PyArray_DESCR(x), PyArray_DESCR(y)))
             Py_RETURN_FALSE;
+        if (writable && !PyArray_ISWRITEABLE(x)) Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
 }
@@ -126,8 +128,8 @@ static PyMethodDef module_methods[] = {
     {"repeat_kept", (PyCFunction)(void (*)(void))repeat_kept, METH_FASTCALL,
      "repeat_kept(local, inputs, outputs) -> list | None: run the kept plan this call repeats, if any."},
     {"same_shapes", same_shapes, METH_VARARGS,
-     "same_shapes(args, templates) -> bool: `args` (list or tuple) are numpy arrays with the shapes and dtypes of "
-     "`templates`, one each."},
+     "same_shapes(args, templates, writable=False) -> bool: `args` (list or tuple) are numpy arrays with the "
+     "shapes and dtypes of `templates`, one each (and writable when `writable`)."},
     {NULL, NULL, 0, NULL},
 };
 

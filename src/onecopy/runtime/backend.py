@@ -101,10 +101,11 @@ class DelegateHandle(abc.ABC):
         """A call for inputs shaped as `inputs` (shapes and dtypes; the arrays may hold no memory of their own),
         nothing bound, `outputs` results returned: a callable taking the arrays and the `CopyStats` to add to.
         `Method.execute` makes one per input signature that passed its checks and calls it for every later call of
-        that signature, so a backend may work out here what does not change between such calls. This default runs
-        each as an `execute`."""
+        that signature, so a backend may work out here what does not change between such calls. The callable also
+        takes `outs=`: the caller's storage for every result (checked by the caller), written instead of new
+        arrays. This default runs each as an `execute`."""
         nothing: list[None] = [None] * outputs
-        return lambda arrays, stats: self.execute(arrays, nothing, stats)
+        return lambda arrays, stats, outs=None: self.execute(arrays, nothing if outs is None else outs, stats)
 
     def bind_surface(self, surface: Any) -> None:
         """Read and write `surface` in place when an argument is the surface's memory in its own layout (its base

@@ -20,7 +20,7 @@ from onecopy.runtime.backend import DelegateHandle, RunReport
 from onecopy.runtime.copy_stats import CopyStats, log
 from onecopy.runtime.state import State
 
-__all__ = ["CheckedCall", "CheckedStateCall", "KEPT", "remember"]
+__all__ = ["CheckedCall", "CheckedStateCall", "KEPT", "remember", "templates_of"]
 
 # Input signatures a method keeps: a model called at one or two batch sizes, or a few sequence lengths, skips
 # the first call's checks for each.
@@ -29,14 +29,19 @@ KEPT = 4
 _Call = TypeVar("_Call", "CheckedCall", "CheckedStateCall")
 
 
+def templates_of(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """Arrays of the shapes and dtypes of `arrays`, holding no memory: what `same_shapes` compares calls with."""
+    return tuple(np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in arrays)
+
+
 def remember(known: tuple[_Call, ...], inputs: Sequence[object],
              make: Callable[[tuple[np.ndarray, ...]], _Call]) -> tuple[_Call, ...]:
-    """`known` with a call for the signature of `inputs` first (made by `make(templates)`, `templates` being
-    arrays of their shapes and dtypes with no memory), unless one is known or an input is not a plain numpy
-    array (anything else is converted on each call anyway). At most `KEPT`, newest first."""
+    """`known` with a call for the signature of `inputs` first (made by `make(templates)`, `templates_of` the
+    inputs), unless one is known or an input is not a plain numpy array (anything else is converted on each call
+    anyway). At most `KEPT`, newest first."""
     if not all(type(a) is np.ndarray for a in inputs):
         return known
-    templates = tuple(np.broadcast_to(np.zeros((), a.dtype), a.shape) for a in inputs)  # type: ignore[union-attr]
+    templates = templates_of(inputs)  # type: ignore[arg-type]
     if any(same_shapes(list(templates), c.templates) for c in known):
         return known
     return (make(templates), *known)[:KEPT]
@@ -49,17 +54,20 @@ def _shapes(arguments: tuple[int | np.ndarray, ...], templates: tuple[np.ndarray
 class CheckedCall:
     """A method that is one delegate call, on inputs of one signature (`templates`) that passed the method's
     checks and were copied into the engine, with nothing bound: a later `execute` on inputs of that signature
-    and no output storage hands them to the delegate and returns its results. Immutable, so shared by every
-    thread calling the method. `arguments`: per delegate input, the index of the method input it is, or a
-    constant of the program."""
+    hands them to the delegate and returns its results. With `out_templates`, the call of a caller that passed
+    storage for every output (of those shapes and dtypes, writable: checked by `Method.execute` on each call),
+    written instead of new arrays. Immutable, so shared by every thread calling the method. `arguments`: per
+    delegate input, the index of the method input it is, or a constant of the program."""
 
-    __slots__ = ("_report", "_handle", "templates", "_arguments", "_call", "_direct")
+    __slots__ = ("_report", "_handle", "templates", "out_templates", "_arguments", "_call", "_direct")
 
     def __init__(self, report: RunReport, handle: DelegateHandle, templates: tuple[np.ndarray, ...],
-                 arguments: tuple[int | np.ndarray, ...], outputs: int) -> None:
+                 arguments: tuple[int | np.ndarray, ...], outputs: int,
+                 out_templates: tuple[np.ndarray, ...] | None = None) -> None:
         self._report = report
         self._handle = handle
         self.templates = templates
+        self.out_templates = out_templates
         self._arguments = arguments
         # The delegate takes the inputs as given (compared one by one: a constant is an array, never equal).
         self._direct = len(arguments) == len(templates) and all(
@@ -67,8 +75,9 @@ class CheckedCall:
         # What the delegate can work out once for this signature, it does now (DelegateHandle.copied_call).
         self._call = handle.copied_call(_shapes(arguments, templates), outputs)
 
-    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray] | None:
-        """The call's results; None when a surface was bound since (the call must go the checked way)."""
+    def run(self, inputs: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray] | None:
+        """The call's results (`outs` when given); None when a surface was bound since (the call must go the
+        checked way)."""
         report = self._report
         if report.closed.is_set():
             report.on_closed()
@@ -78,7 +87,7 @@ class CheckedCall:
             inputs[a] if isinstance(a, int) else a for a in self._arguments]
         stats = CopyStats()
         debug = log.isEnabledFor(DEBUG)
-        produced = self._call(arguments, stats)
+        produced = self._call(arguments, stats) if outs is None else self._call(arguments, stats, outs=outs)
         report.record(stats, debug)
         return produced
 

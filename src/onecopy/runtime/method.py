@@ -16,7 +16,7 @@ from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData
 from onecopy.runtime._layout import repeat_kept, same_shapes
 from onecopy.runtime.arguments import as_array, check_bounds, check_inputs, output_storage
 from onecopy.runtime.backend import DelegateHandle, Plan, RunReport
-from onecopy.runtime.checked_calls import CheckedCall, CheckedStateCall, remember
+from onecopy.runtime.checked_calls import KEPT, CheckedCall, CheckedStateCall, remember, templates_of
 from onecopy.runtime.copy_stats import CopyStats, StatsRecord
 from onecopy.runtime.host_kernels import get_host_kernel
 from onecopy.runtime.method_meta import MethodMeta
@@ -73,6 +73,7 @@ class Method:
         # Calls whose inputs passed the checks of `_arguments`, newest first (onecopy.runtime.checked_calls);
         # replaced, never mutated, so threads read a consistent tuple without a lock.
         self._checked_calls: tuple[CheckedCall, ...] = ()
+        self._checked_into: tuple[CheckedCall, ...] = ()  # the same, for callers passing storage for every output
         self._state_calls: tuple[CheckedStateCall, ...] = ()
         self._kernels = {}
         for ins in definition.instructions:
@@ -147,6 +148,12 @@ class Method:
             produced = repeat_kept(self._local, inputs, outputs)
             if produced is not None:
                 return produced
+            for checked in self._checked_into:  # storage of a signature that passed the checks: writable is all
+                if same_shapes(inputs, checked.templates) and same_shapes(outputs, checked.out_templates, True):
+                    produced = checked.run(inputs, outputs)
+                    if produced is not None:
+                        return produced
+                    break
         values, storage = self._arguments(inputs, outputs)
         whole = self._whole_call
         if whole is not None and outputs is not None and self._delegates[whole.delegate].has_bound_surfaces:
@@ -166,6 +173,8 @@ class Method:
                 if outputs is None and not handle.has_bound_surfaces:
                     self._checked_calls = remember(self._checked_calls, inputs, lambda templates: CheckedCall(
                         self._report, handle, templates, self._delegate_arguments(whole), len(whole.outputs)))
+                elif outputs is not None and not handle.has_bound_surfaces:
+                    self._remember_into(handle, whole, inputs, outputs)
                 return produced
             for vid, array in zip(whole.outputs, produced):
                 values[vid] = array
@@ -179,6 +188,20 @@ class Method:
             else:
                 self._run_host_op(ins, values)
         return self._results(values, storage, outputs, stats)
+
+    def _remember_into(self, handle: DelegateHandle, whole: DelegateCall, inputs: Sequence[Any],
+                       outputs: Sequence[Any]) -> None:
+        """Keep a `CheckedCall` for this call's signature of inputs and output storage: plain numpy arrays all
+        (anything else is converted on each call), storage for every output, each output a value of its own."""
+        if len(set(whole.outputs)) != len(whole.outputs) or not all(
+                type(a) is np.ndarray for a in (*inputs, *outputs)):
+            return
+        known = self._checked_into
+        if any(same_shapes(inputs, c.templates) and same_shapes(outputs, c.out_templates) for c in known):
+            return
+        made = CheckedCall(self._report, handle, templates_of(inputs), self._delegate_arguments(whole),
+                           len(whole.outputs), templates_of(outputs))
+        self._checked_into = (made, *known)[:KEPT]
 
     def _delegate_arguments(self, call: DelegateCall) -> tuple[int | np.ndarray, ...]:
         """Per input of `call`: the index of the method input it is, or a constant of the program."""
