@@ -328,6 +328,27 @@ def test_outputs_written_into_caller_storage(prog, rng):
     np.testing.assert_array_equal(out, decode.execute([x, np.array([1])], state=twin)[0])
 
 
+def test_a_decode_loop_into_storage_skips_the_checks(prog, rng, monkeypatch):
+    """A decode loop writing its results into the same storage every step: after the first step's checks, each
+    step goes straight to the engine, as a loop without storage does, and every step's results equal those of a
+    twin State run without storage."""
+    decode = prog.load_method("decode")
+    state, twin = prog.create_state(), prog.create_state()
+    out, steps = np.empty((1, 16), np.float32), np.empty((), np.int64)
+    x = rows(rng, 1)
+    decode.execute([x, np.array([0])], outputs=[out, steps], state=state)
+    decode.execute([x, np.array([0])], state=twin)
+    monkeypatch.setattr(type(decode), "_arguments", lambda *a: pytest.fail("the checks ran again"))
+    for pos in range(1, 5):
+        x = rows(rng, 1)
+        got = decode.execute([x, np.array([pos])], outputs=[out, steps], state=state)
+        assert got[0] is out and got[1] is steps
+        want = decode.execute([x, np.array([pos])], state=twin)
+        np.testing.assert_array_equal(out, want[0])
+        assert int(steps) == int(want[1]) == pos + 1
+    np.testing.assert_array_equal(state.read("cache"), twin.read("cache"))
+
+
 def test_share_state_false_keeps_the_methods_cache_apart_at_run_time(accumulator, rng):
     from tests.conftest import accumulator_methods
     from onecopy.export import CompileSpec, Partitioner, export_program

@@ -152,9 +152,11 @@ class DelegateHandle(abc.ABC):
     def state_copied_call(self, inputs: Sequence[np.ndarray], outputs: int
                           ) -> Callable[[Sequence[np.ndarray], CopyStats, Any], list[np.ndarray]]:
         """`execute_with_state` for inputs shaped as `inputs`, nothing bound, `outputs` results returned: a
-        callable taking (arrays, stats, backend state), made once per input signature (see `copied_call`)."""
+        callable taking (arrays, stats, backend state, outs=None), made once per input signature (see
+        `copied_call`)."""
         nothing: list[None] = [None] * outputs
-        return lambda arrays, stats, state: self.execute_with_state(state, arrays, nothing, stats)
+        return lambda arrays, stats, state, outs=None: self.execute_with_state(
+            state, arrays, nothing if outs is None else outs, stats)
 
     @abc.abstractmethod
     def destroy(self) -> None:

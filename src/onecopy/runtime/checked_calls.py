@@ -96,19 +96,22 @@ class CheckedStateCall:
     """`CheckedCall` for a stateful method: run on a `State`, whose calls it serializes, with the inputs that
     index the engine's memory checked on every call (`bounds`: input index -> [low, high])."""
 
-    __slots__ = ("_report", "_name", "_bounds", "_handle", "templates", "_arguments", "_call")
+    __slots__ = ("_report", "_name", "_bounds", "_handle", "templates", "out_templates", "_arguments", "_call")
 
     def __init__(self, report: RunReport, name: str, bounds: dict[int, tuple[int, int]], handle: DelegateHandle,
-                 templates: tuple[np.ndarray, ...], arguments: tuple[int | np.ndarray, ...], outputs: int) -> None:
+                 templates: tuple[np.ndarray, ...], arguments: tuple[int | np.ndarray, ...], outputs: int,
+                 out_templates: tuple[np.ndarray, ...] | None = None) -> None:
         self._report = report
         self._name = name
         self._bounds = bounds
         self._handle = handle
         self.templates = templates
+        self.out_templates = out_templates
         self._arguments = arguments
         self._call = handle.state_copied_call(_shapes(arguments, templates), outputs)
 
-    def run(self, inputs: Sequence[np.ndarray], state: State) -> list[np.ndarray]:
+    def run(self, inputs: Sequence[np.ndarray], state: State, outs: Sequence[np.ndarray] | None = None
+            ) -> list[np.ndarray]:
         report = self._report
         if report.closed.is_set():
             report.on_closed()
@@ -120,6 +123,8 @@ class CheckedStateCall:
         with state._lock:
             if state._closed or state._program.closed:
                 state._check()
-            produced = self._call(arguments, stats, state._backend_for(self._handle))
+            backend_state = state._backend_for(self._handle)
+            produced = (self._call(arguments, stats, backend_state) if outs is None
+                        else self._call(arguments, stats, backend_state, outs=outs))
         report.record(stats, debug)
         return produced

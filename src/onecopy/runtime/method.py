@@ -40,6 +40,18 @@ class _PerThread(threading.local):
     repeats: tuple[tuple[tuple[np.ndarray, ...], Any], ...] = ()
 
 
+def _into_storage(whole: DelegateCall, inputs: Sequence[Any], outputs: Sequence[Any] | None,
+                  known: Sequence[CheckedCall | CheckedStateCall]) -> bool:
+    """Whether a call that passed the checks with `outputs` storage is worth a checked call of its own: storage
+    for every output, each output a value of its own, plain numpy arrays all (anything else is converted on each
+    call), and no call of `known` for that signature of inputs and storage yet."""
+    if outputs is None or len(set(whole.outputs)) != len(whole.outputs):
+        return False
+    if not all(type(a) is np.ndarray for a in (*inputs, *outputs)):
+        return False
+    return not any(same_shapes(inputs, c.templates) and same_shapes(outputs, c.out_templates) for c in known)
+
+
 class Method:
     """An entry point of a loaded program. `execute` may be called from several threads."""
 
@@ -75,6 +87,7 @@ class Method:
         self._checked_calls: tuple[CheckedCall, ...] = ()
         self._checked_into: tuple[CheckedCall, ...] = ()  # the same, for callers passing storage for every output
         self._state_calls: tuple[CheckedStateCall, ...] = ()
+        self._state_into: tuple[CheckedStateCall, ...] = ()
         self._kernels = {}
         for ins in definition.instructions:
             if isinstance(ins, HostOp):
@@ -191,17 +204,11 @@ class Method:
 
     def _remember_into(self, handle: DelegateHandle, whole: DelegateCall, inputs: Sequence[Any],
                        outputs: Sequence[Any]) -> None:
-        """Keep a `CheckedCall` for this call's signature of inputs and output storage: plain numpy arrays all
-        (anything else is converted on each call), storage for every output, each output a value of its own."""
-        if len(set(whole.outputs)) != len(whole.outputs) or not all(
-                type(a) is np.ndarray for a in (*inputs, *outputs)):
-            return
-        known = self._checked_into
-        if any(same_shapes(inputs, c.templates) and same_shapes(outputs, c.out_templates) for c in known):
-            return
-        made = CheckedCall(self._report, handle, templates_of(inputs), self._delegate_arguments(whole),
-                           len(whole.outputs), templates_of(outputs))
-        self._checked_into = (made, *known)[:KEPT]
+        """Keep a `CheckedCall` for this call's signature of inputs and output storage (see `_into_storage`)."""
+        if _into_storage(whole, inputs, outputs, self._checked_into):
+            made = CheckedCall(self._report, handle, templates_of(inputs), self._delegate_arguments(whole),
+                               len(whole.outputs), templates_of(outputs))
+            self._checked_into = (made, *self._checked_into)[:KEPT]
 
     def _delegate_arguments(self, call: DelegateCall) -> tuple[int | np.ndarray, ...]:
         """Per input of `call`: the index of the method input it is, or a constant of the program."""
@@ -216,6 +223,10 @@ class Method:
             for checked in self._state_calls:
                 if same_shapes(inputs, checked.templates):
                     return checked.run(inputs, state)
+        else:
+            for checked in self._state_into:
+                if same_shapes(inputs, checked.templates) and same_shapes(outputs, checked.out_templates, True):
+                    return checked.run(inputs, state, outputs)
         definition = self._definition
         with state._lock:
             state._check()
@@ -243,6 +254,11 @@ class Method:
             self._state_calls = remember(self._state_calls, inputs, lambda templates: CheckedStateCall(
                 self._report, self.name, definition.input_bounds, handle, templates, self._delegate_arguments(whole),
                 len(whole.outputs)))
+        elif whole is not None and _into_storage(whole, inputs, outputs, self._state_into):
+            handle = self._delegates[whole.delegate]
+            made = CheckedStateCall(self._report, self.name, definition.input_bounds, handle, templates_of(inputs),
+                                    self._delegate_arguments(whole), len(whole.outputs), templates_of(outputs))
+            self._state_into = (made, *self._state_into)[:KEPT]
         return results
 
     def _state_for(self, state: Any) -> State:
