@@ -8,6 +8,7 @@ import torch
 from onecopy import Runtime
 from onecopy.errors import InvalidArgument
 from onecopy.export import CompileSpec, export_program
+from onecopy.export.engine_ops import depthwise_nhwc
 from onecopy.export.rewrites import REWRITES, apply_rewrites, rewrite_depthwise_nhwc
 from onecopy.models.vision import mobilenet_v3_small
 
@@ -40,12 +41,17 @@ def assert_same(model, ep, *args):
     [(3, 1, 1, 1, True), (3, 2, 1, 1, False), (5, 1, 2, 1, True), (5, 2, 2, 1, False), (3, 1, 0, 1, True),
      (3, 1, 2, 2, False), ((3, 5), (2, 1), (1, 2), 1, True)],
 )
-def test_a_depthwise_conv_becomes_shifted_multiply_adds_with_the_same_result(kernel, stride, padding, dilation, bias):
+def test_a_depthwise_conv_becomes_one_nhwc_op_or_shifted_multiply_adds_with_the_same_result(
+        kernel, stride, padding, dilation, bias):
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(24, 24, kernel, stride, padding, dilation, groups=24, bias=bias).eval()
     x = torch.randn(2, 24, 17, 20)
     ep, changed = rewritten(conv, x)
     assert changed and aten.convolution.default not in targets(ep)
+    # One op where the strides are equal and there is no dilation; else the multiply-adds.
+    one_op = len({stride} if isinstance(stride, int) else set(stride)) == 1 and dilation == 1
+    assert (depthwise_nhwc() in targets(ep)) == one_op
+    assert (aten.slice.Tensor in targets(ep)) != one_op
     assert_same(conv, ep, x)
 
 
@@ -137,15 +143,19 @@ class DepthwiseBlock(torch.nn.Module):
         return self.pw(torch.relu(self.bn(self.dw(x))))
 
 
-@pytest.mark.parametrize("rewrites", [("depthwise_nhwc",), ()])
-def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewrite(rewrites, tmp_path, monkeypatch):
+@pytest.mark.parametrize("rewrites, packaging", [(("depthwise_nhwc",), "mlir"), ((), "mlir"),
+                                                 (("depthwise_nhwc",), "vmfb")])
+def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewrite(rewrites, packaging, tmp_path,
+                                                                                   monkeypatch):
     applied = []
     monkeypatch.setitem(REWRITES, "depthwise_nhwc", lambda gm: applied.append(rewrite_depthwise_nhwc(gm)))
     torch.manual_seed(0)
     model = DepthwiseBlock().eval()
     x = torch.randn(1, 16, 20, 20)
     program = export_program({"forward": torch.export.export(model, (x,))},
-                             compile_spec=CompileSpec(rewrites=rewrites))
+                             compile_spec=CompileSpec(rewrites=rewrites, packaging=packaging))
+    if packaging == "mlir":  # the op reached the bundle as the one linalg op it carries
+        assert (b"depthwise_conv_2d_nhwc_hwc" in program.to_bytes()) == bool(rewrites)
     prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
     try:
         (got,) = prog.load_method("forward").execute([x.numpy()])

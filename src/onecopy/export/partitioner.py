@@ -19,8 +19,9 @@ from onecopy.runtime.host_kernels import has_host_kernel
 
 __all__ = ["Partitioner", "Partition", "op_name"]
 
-# Namespaces whose ops iree-turbine imports and IREE lowers (after the core ATen decompositions).
-_ENGINE_NAMESPACES = ("aten", "prims")
+# Namespaces whose ops iree-turbine imports and IREE lowers (after the core ATen decompositions), and onecopy's
+# own (onecopy.export.engine_ops: custom ops turbine expands into the MLIR they carry).
+_ENGINE_NAMESPACES = ("aten", "prims", "onecopy")
 
 
 def op_name(node: fx.Node) -> str:

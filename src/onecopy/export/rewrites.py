@@ -1,8 +1,10 @@
 """Graph rewrites of a decomposed method, applied before lowering, for what IREE's CPU code generation does badly.
 
 `depthwise_nhwc`: IREE runs depthwise convolutions 7-15x slower than ONNX Runtime whatever the flags; in
-channels-last (NHWC) a k x k depthwise convolution is k*k shifted multiply-adds vectorized over channels, which
-IREE fuses into one fast loop nest. A transpose around every such convolution would cost as much as it saves, so
+channels-last (NHWC) a static depthwise convolution becomes one `linalg.depthwise_conv_2d_nhwc_hwc`
+(onecopy.export.engine_ops), which IREE runs at ONNX Runtime's single-thread speed; one with a dynamic shape,
+unequal strides or a dilation becomes k*k shifted multiply-adds vectorized over channels (3-5x slower than the
+op: IREE splits the chain into several dispatches, but still faster than the NCHW convolution). A transpose around every such convolution would cost as much as it saves, so
 the NHWC layout is carried forward through the ops around it (per-channel batch norm, activations, squeeze-excite
 means and scales, residual adds, 1x1 convolutions as matmuls over channels); a value goes back to NCHW only where
 an op that needs it reads it. In a MobileNet, that is one transpose into the first depthwise block and one out of
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+
+from onecopy.export.engine_ops import depthwise_nhwc
 
 __all__ = ["REWRITES", "DEFAULT_REWRITES", "REPLACED_OPS", "apply_rewrites", "rewrite_depthwise_nhwc"]
 
@@ -138,6 +142,11 @@ def _depthwise(r: _Rewriter, node: fx.Node, conv: tuple) -> fx.Node | None:
     xs = r.twin(node, x)
     if any(padding):
         xs = r.emit(node, aten.constant_pad_nd.default, xs, [0, 0, padding[1], padding[1], padding[0], padding[0]])
+    if _static_4d(x) and stride[0] == stride[1] and all(d == 1 for d in dilation):
+        # One NHWC depthwise op (onecopy.export.engine_ops): IREE runs it ~3-5x faster than the multiply-adds.
+        kernel = r.emit(node, aten.permute.default, r.emit(node, aten.view.default, w, [channels, kh, kw]), [1, 2, 0])
+        acc = r.emit(node, depthwise_nhwc(), r.contiguous(node, xs), r.contiguous(node, kernel), stride[0])
+        return acc if b is None else r.emit(node, aten.add.Tensor, acc, b)
     taps = r.emit(node, aten.permute.default, r.emit(node, aten.view.default, w, [channels, kh * kw]), [1, 0])
     acc = None
     for i in range(kh):
