@@ -129,3 +129,26 @@ def test_vmfb_bf16_code_is_refused_on_a_cpu_without_its_baseline(vmfb_bf16_path,
 def test_fp32_adds_no_flag_bf16_demotes_contraction_inputs():
     assert precision_flags("fp32") == ()
     assert "--iree-global-opt-demote-contraction-inputs-type=bf16" in precision_flags("bf16")
+
+
+@needs_native_bf16
+def test_a_model_of_nhwc_depthwise_convs_loads_in_bf16_without_im2col(tmp_path, caplog):
+    """IREE 3.13's im2col (one of bf16's flags) miscompiles the NHWC depthwise op the depthwise_nhwc rewrite
+    makes at batch > 1: the load compiles again without it, with a warning, and still computes in bf16."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 8, 1)).eval()
+    x = torch.randn(8, 16, 12, 12)  # batch 1 compiles with im2col: the miscompile needs a batch
+    path = export_program({"forward": torch.export.export(model, (x,))}).save(tmp_path / "dw.onecopy")
+    results = {}
+    for precision in ("fp32", "bf16"):
+        with Runtime(cache_dir=tmp_path / "cache").load_program(path, precision=precision) as program:
+            (results[precision],) = program.load_method("forward").execute([x.numpy()])
+    with torch.no_grad():
+        want = model(x).numpy()
+    np.testing.assert_allclose(results["fp32"], want, rtol=1e-5, atol=1e-5)
+    scale = float(np.abs(want).max())
+    assert 0 < float(np.abs(results["bf16"] - want).max()) < 2e-2 * scale
+    assert "--iree-global-opt-use-im2col-for-convs failed" in caplog.text

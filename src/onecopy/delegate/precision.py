@@ -19,16 +19,23 @@ x86-64-v4 with AVX512-BF16 ran 3.4x faster (1.27 ms) on Zen 4.
 from __future__ import annotations
 
 import platform
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from onecopy.errors import InvalidArgument
 from onecopy.runtime.backend_options import DEFAULT_PRECISION
 
-__all__ = ["AotPrecision", "aot_precision", "check_precision_runs_here", "native_bf16_flags", "precision_flags"]
+__all__ = ["AotPrecision", "aot_precision", "check_precision_runs_here", "native_bf16_flags", "precision_flags",
+           "without_droppable"]
 
 # /proc/cpuinfo flags (x86 "flags", Arm "Features") that mean bf16 dot products in hardware.
 _NATIVE_BF16 = {"x86_64": ("avx512_bf16", "amx_bf16"), "aarch64": ("bf16",)}
+
+_IM2COL = "--iree-global-opt-use-im2col-for-convs"
+# Flags that make code faster, not different: a compile that fails with them is tried again without. IREE 3.13's
+# im2col miscompiles a depthwise convolution in NHWC (an invalid linalg.batch_matvec), which the depthwise_nhwc
+# rewrite makes of every MobileNet block: such a module runs its convolutions in bf16 without im2col.
+_DROPPABLE = frozenset({_IM2COL})
 
 _FLAGS = {
     "fp32": (),
@@ -38,7 +45,7 @@ _FLAGS = {
         # A demoted convolution stays a convolution, which has no bf16 microkernel: ResNet-18 ran as slow as in
         # fp32 (4.4x ONNX Runtime, with or without conv data tiling). As im2col + matmul it reaches the bf16
         # matmul microkernel: 1.5x (measured on Zen 4 with avx512_bf16).
-        "--iree-global-opt-use-im2col-for-convs",
+        _IM2COL,
         # IREE 3.13's unpack microkernel fails to lower for some bf16 tiles (MobileNetV3-small: "failed to lower
         # micro kernel operation", iree_uk_unpack on 16x16 bf16), which threw away data tiling altogether (3.0x
         # ONNX Runtime instead of 1.6x). The matmul microkernel alone, after compiler_flags' `all` (the last one
@@ -113,3 +120,8 @@ def check_precision_runs_here(precision: str, *, compute_unit: str, cpu_flags: C
 def precision_flags(precision: str) -> tuple[str, ...]:
     """iree-compile flags for `precision` (none for fp32)."""
     return _FLAGS[precision]
+
+
+def without_droppable(flags: Sequence[str]) -> tuple[str, ...]:
+    """`flags` without those that only make code faster (`_DROPPABLE`): what a compile that failed tries next."""
+    return tuple(flag for flag in flags if flag not in _DROPPABLE)

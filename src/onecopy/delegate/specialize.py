@@ -45,7 +45,7 @@ from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
 from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.executors import calibrate_models
 from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS, FunctionSignature
-from onecopy.delegate.precision import precision_flags
+from onecopy.delegate.precision import precision_flags, without_droppable
 from onecopy.delegate.targets import CPU_EXECUTORS, Target
 from onecopy.delegate.tuning import (
     DEFAULT, Candidate, Runner, Signature, Tuning, candidates, example_inputs, signatures,
@@ -108,7 +108,25 @@ def compile_with_encoder(
     produced no encoder (nothing to pack), there is none. The compiler writes the encoder into a directory under
     `scratch` (the cache's, at load: a process killed here leaves it where the cache sweeps it) or the system's
     temporary directory. `semantic_flags` (the precision's) go with every compile of the module, fallback
-    included. Raises `DelegateError` with the compiler's diagnostics (prefixed by the caller)."""
+    included; those of them that only make code faster (precision.without_droppable) are left out, with a warning,
+    where the compile fails with them. Raises `DelegateError` with the compiler's diagnostics (prefixed by the
+    caller)."""
+    try:
+        return _compile_with_encoder(source, target, for_host=for_host, where=where, with_encoder=with_encoder,
+                                     scratch=scratch, flags=flags, fallback=fallback, semantic_flags=semantic_flags)
+    except DelegateError as e:
+        fewer = without_droppable(semantic_flags)
+        if fewer == tuple(semantic_flags):
+            raise
+        log.warning("%s: compiling with %s failed (%s); compiling without them", where,
+                    " ".join(f for f in semantic_flags if f not in fewer), str(e).splitlines()[0][:200])
+        return _compile_with_encoder(source, target, for_host=for_host, where=where, with_encoder=with_encoder,
+                                     scratch=scratch, flags=flags, fallback=fallback, semantic_flags=fewer)
+
+
+def _compile_with_encoder(source: bytes | memoryview, target: Target, *, for_host: bool, where: str,
+                          with_encoder: bool, scratch: Path | None, flags: Sequence[str], fallback: bool,
+                          semantic_flags: Sequence[str]) -> Compiled:
     with tempfile.TemporaryDirectory(prefix="onecopy-encoder-", dir=scratch) as tmp:
         encoder_path = Path(tmp) / "encoder.mlir"
         extra = [*flags, *(_encoder_flags(encoder_path) if with_encoder else [])]
