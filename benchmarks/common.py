@@ -25,7 +25,8 @@ from harness.tables import fmt_bytes, fmt_ms, fmt_ratio, mib, print_table
 from harness.targets import TARGET_COLUMNS, print_targets, target, target_row
 from harness.timing import (Stats, Stopwatch, _stats, measure, measure_alternating, median, paired_difference_ms,
                             paired_interval, paired_ratio)
-from harness.workspace import cache_entries, collect_load_states, isolated_cache, run_script, temp_workdir
+from harness.workspace import (cache_entries, collect_load_states, isolated_cache, run_script, specializations,
+                               temp_workdir)
 
 __all__ = [
     "ROOT", "RESULTS_DIR", "CpuSnapshot", "cpu_snapshot", "foreign_cpu", "wait_quiet", "VERSIONED_PACKAGES",
@@ -34,7 +35,7 @@ __all__ = [
     "engine_driver", "BenchmarkRun", "parse_args", "results_path", "write_results", "fmt_bytes", "fmt_ms", "fmt_ratio", "mib", "print_table",
     "TARGET_COLUMNS", "print_targets", "target", "target_row", "Stats", "Stopwatch", "measure",
     "measure_alternating", "median", "paired_difference_ms", "paired_interval", "paired_ratio", "cache_entries",
-    "collect_load_states", "isolated_cache", "run_script", "temp_workdir", "_jsonable", "_stats",
+    "collect_load_states", "isolated_cache", "run_script", "specializations", "temp_workdir", "_jsonable", "_stats",
 ]
 
 # torch.onnx (TorchScript exporter), torch.export and iree-turbine warn a lot about their own internals; the

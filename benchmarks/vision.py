@@ -33,8 +33,10 @@ Memory per load (each in a fresh process): RSS and PSS growth for 1 and 4 loads 
 program (restored from the cache; one call each).
 
 Exports use `check_compiles=False`: the first load compiles the same module, so compiling at export too would only
-double this script's time; it changes nothing that is measured. Results: benchmarks/results/vision.json and
-vision.md. On a shared machine the times move by tens of percent: compare the ratios of one run.
+double this script's time; it changes nothing that is measured. The results also say how this machine
+specialized each program (`specializations`: the configuration tuning kept and every candidate's latency, each
+function's figures on both CPU executors) and what ran each method (`runs_on`). Results:
+benchmarks/results/vision.json and vision.md. On a shared machine the times move by tens of percent: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -259,6 +261,9 @@ def main() -> int:
                 program = stack.enter_context(runtime.load_program(programs[(name, "onecopy")], precision="bf16"))
                 program.load_method("b1")
                 loaded["onecopy bf16"] = program
+            for peer in variants:  # what tuning kept and each function's executor figures, per precision
+                payload.setdefault("specializations", {})[f"{name} ({peer})"] = common.specializations(
+                    programs[(name, peer)], cache_dir)
             for b in BATCHES:
                 x = inputs[b]
                 peers = {peer: common.OnecopyMethod(p.load_method(f"b{b}")) for peer, p in loaded.items()}
@@ -272,6 +277,8 @@ def main() -> int:
                     bf16, fp32 = np.asarray(peers["onecopy bf16"](x)).ravel(), np.asarray(peers["onecopy"](x)).ravel()
                     errors["onecopy bf16 vs onecopy fp32"] = (
                         f"{np.max(np.abs(bf16 - fp32)):.2e}, cosine {bf16 @ fp32 / np.linalg.norm(bf16) / np.linalg.norm(fp32):.6f}")
+                payload.setdefault("runs_on", {})[f"{name} B={b}"] = {
+                    peer: "; ".join(p.load_method(f"b{b}").runs_on.values()) for peer, p in loaded.items()}
                 print(f"{name} B={b}: timing {', '.join(peers)}", flush=True)
                 timings = timed(peers, x, budget, "onnxruntime", settings)
                 payload["models"][f"{name} B={b}"] = {"timings": timings, "max_abs_error": errors}

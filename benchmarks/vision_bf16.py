@@ -49,16 +49,7 @@ def agreement(got, want) -> dict:
 
 def chosen(path, cache_dir) -> dict[str, str]:
     """What tuned specialization kept for each precision (from the cache entries): the reason a ratio is what it is."""
-    from onecopy.inspect import describe_tuning, specializations
-    from onecopy.program import read_program
-
-    loaded = read_program(path)
-    try:
-        hashes = [d.manifest["export_hash"] for d in loaded.definition.delegates]
-    finally:
-        loaded.close()
-    return {entry.precision: describe_tuning(entry.tuning)
-            for entries in specializations(hashes, cache_dir).values() for entry in entries}
+    return {precision: found["tuning"] for precision, found in common.specializations(path, cache_dir).items()}
 
 
 def main() -> int:

@@ -48,6 +48,23 @@ def cache_entries(cache_dir: Path) -> set[str]:
     return {p.name for p in entries.iterdir() if (p / "module.vmfb").exists()} if entries.exists() else set()
 
 
+def specializations(path: Path, cache_dir: Path) -> dict[str, dict[str, str]]:
+    """How this machine specialized the program at `path` (from its cache entries), per precision: the
+    configuration tuning kept, with each candidate's latency, and each function's figures on both CPU executors
+    (what a load picked from). The reason a ratio is what it is."""
+    from onecopy.delegate.executors import describe
+    from onecopy.inspect import describe_tuning, specializations as entries_of
+    from onecopy.program import read_program
+
+    loaded = read_program(path)
+    try:
+        hashes = [d.manifest["export_hash"] for d in loaded.definition.delegates if "export_hash" in d.manifest]
+    finally:
+        loaded.close()
+    return {entry.precision: {"tuning": describe_tuning(entry.tuning), "executors": describe(entry.executors)}
+            for entries in entries_of(hashes, cache_dir).values() for entry in entries}
+
+
 def collect_load_states() -> list[str]:
     """Load states ('specialized' / 'restored') from onecopy's log, one per delegate load."""
     import logging
