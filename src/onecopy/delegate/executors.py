@@ -116,7 +116,8 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
         for executor in EXECUTORS:
             models[executor] = load(executor)
         busy, own = _machine_busy_s(), time.process_time()
-        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(), "measured": round(time.time())}
+        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(),
+                  "measured": int(time.time())}  # floored: a record is never dated after the moment it was read
         # What else ran meanwhile: a choice made while other processes (or the hypervisor's other guests) took
         # the cores may not be the quiet machine's; the backend option `recalibrate` measures again.
         if busy is not None and (now := _machine_busy_s()) is not None and record["elapsed_s"] > 0:
