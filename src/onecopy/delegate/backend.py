@@ -18,6 +18,7 @@ from onecopy.delegate.engine import EngineFunction, LoadedModel
 from onecopy.delegate.executors import choose, merge
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
+from onecopy.delegate.model_set import ModelSet
 from onecopy.delegate.resolution import Resolved, resolve, tunes
 from onecopy.delegate.shared_models import shared_models
 from onecopy.delegate.specialize import Specialization, encode, manifest_signatures, recalibrate, specialize
@@ -284,9 +285,10 @@ class IreeBackend(Backend):
         log.info(
             "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s driver=%s%s",
             parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
-            parsed.function, resolved.target.name, resolved.precision, model.driver, " shared" if share else "",
+            parsed.function, resolved.target.name, resolved.precision, function.model.driver,
+            " shared" if share else "",
         )
-        delegate = IreeDelegate(model, function, parsed, release, share, where)
+        delegate = IreeDelegate(function.model, function, parsed, release, share, where)  # the model running it
         try:
             for surface in self._bound_surfaces(context):
                 delegate.owned_surfaces.append(surface)  # opened here, so closed with the delegate
@@ -297,11 +299,12 @@ class IreeBackend(Backend):
         return delegate
 
     @staticmethod
-    def _load(context: InitContext, resolved: Resolved, serves: Sequence[str] | None) -> LoadedModel:
+    def _load(context: InitContext, resolved: Resolved, serves: Sequence[str] | None) -> LoadedModel | ModelSet:
         """Build the model: vmfb code in place from the program file, with the weights its encoder packs restored
         from the cache entry (or encoded into it); mlir code and packed weights restored from the cache entry (or
         specialized into it). Parameters always come from the program's mapping, never copied. `serves`: the
-        functions the model will run (None: any of its module, a shared model), which pick its executor."""
+        functions the model will run (None: any of its module, a shared model), which pick its executor; a shared
+        model without state whose functions chose different executors is a ModelSet."""
         where, manifest, target = context.where, resolved.manifest, resolved.target
         entry: CacheEntry | None = None
         encoded: dict[str, memoryview] = {}
@@ -360,10 +363,13 @@ class IreeBackend(Backend):
                 entry.close()
             raise DelegateError(f"{where}: the cache entry {resolved.key_prefix} holds no module; run `onecopy cache "
                                 "clear` and load again.")
-        driver = resolved.driver
+        driver, drivers = resolved.driver, {}
         if not driver:
             functions = serves if serves is not None else list((calibration or {}).get("functions") or ())
             driver = CPU_EXECUTORS[choose(calibration, functions, worker_count()) or "parallel"]
+            if serves is None and not manifest.states:  # a shared model without state: each function its own
+                drivers = {f: CPU_EXECUTORS[chosen] for f in functions
+                           if (chosen := choose(calibration, [f], worker_count())) is not None}
         try:
             model = LoadedModel(code, parameters, target, where, encoded=encoded, keepalive=entry,
                                 state_zeros=state_zeros, driver=driver,
@@ -373,4 +379,4 @@ class IreeBackend(Backend):
                 entry.close()
             raise
         model.load_state = state
-        return model
+        return ModelSet(model, drivers) if any(d != driver for d in drivers.values()) else model

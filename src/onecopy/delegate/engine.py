@@ -199,6 +199,7 @@ class LoadedModel:
         # Hold the bytes (and the cache entry they map) so the wrapped module is never freed under the engine.
         self._vmfb = vmfb
         self._keepalive = keepalive
+        self._parameters, self._encoded, self._state_zeros = parameters, encoded, state_zeros  # for `on`
         # Everything IREE may still release from its own threads after a close (see quarantine.py).
         self.handed_to_engine = [vmfb, *parameters.values(), *(encoded or {}).values(), keepalive]
         quarantine.track(self)
@@ -251,6 +252,16 @@ class LoadedModel:
                 "Re-export the program."
             )
         return EngineFunction(self, vm_function, name, outputs_in_place)
+
+    def on(self, driver: str) -> "LoadedModel":
+        """The same code, weights and packed weights on another executor's device (`driver`): a second module
+        and its own VM contexts over the very same bytes, nothing copied (IREE imports the mapped weights on a CPU
+        device, as every unshared load of a program already does). It holds no cache entry: this model's does,
+        so this model must be closed after it (onecopy.delegate.model_set)."""
+        twin = LoadedModel(self._vmfb, self._parameters, self.target, self.where, encoded=self._encoded,
+                           state_zeros=self._state_zeros, driver=driver, workers=self.workers)
+        twin.load_state = "restored"
+        return twin
 
     def close(self) -> None:
         """Drop the contexts and modules; the cache entry (if any) is released after them."""

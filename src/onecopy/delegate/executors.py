@@ -13,10 +13,11 @@ every function (benchmarks/README.md, latency.py and llm_decode.py, 2 cores):
 So specialization times each public function of the module on both executors (`calibrate`) and the cache entry
 keeps the figures; a load picks the executor from them (`choose`), unless the user named one (backend option
 `executor`). The score of an executor is the mean latency of back-to-back calls, which counts the tail the
-workers' wake-ups add, not only the median. Where one model serves several functions (a shared multifunction
-model, or a module holding state, whose functions must run in the same VM contexts), one executor serves them
-all: the one whose geometric mean of time ratios over those functions is lower, so that each function counts
-alike whatever its absolute time. The record names the number of task workers it was measured with; a process
+workers' wake-ups add, not only the median (the median and p90 are kept too, for `onecopy inspect`). Where
+one model serves several functions that must run in the same VM contexts (a module holding state), one executor
+serves them all: the one whose geometric mean of time ratios over those functions is lower, so that each
+function counts alike whatever its absolute time. A shared multifunction model without state runs each function
+on its own choice (onecopy.delegate.model_set). The record names the number of task workers it was measured with; a process
 with another number (another CPU quota, same CPU) does not use it and runs on the workers.
 """
 
@@ -52,7 +53,7 @@ Run = Callable[[str, str], Any]
 def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, Any]:
     """Time every function of `functions` on each executor, in interleaved rounds (executor order alternating)
     until at least `_MIN_ROUNDS` were run and `budget_s` is spent. Returns the record the cache entry keeps: per
-    function the mean and p90 (ms) of each executor, and the time it took."""
+    function the mean, median and p90 (ms) of each executor, and the time it took."""
     started = time.perf_counter()
     times: dict[str, dict[str, list[float]]] = {f: {e: [] for e in EXECUTORS} for f in functions}
     for executor in EXECUTORS:  # warm-up: the first call of a context loads its executables
@@ -73,6 +74,7 @@ def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, 
         figures[function] = {}
         for executor, samples in by_executor.items():
             figures[function][f"{executor}_ms"] = round(statistics.fmean(samples) * 1e3, 4)
+            figures[function][f"{executor}_p50_ms"] = round(float(np.median(samples)) * 1e3, 4)
             figures[function][f"{executor}_p90_ms"] = round(float(np.quantile(samples, 0.9)) * 1e3, 4)
     return {"functions": figures, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
 
