@@ -239,7 +239,9 @@ def test_inspect_shows_each_function_on_both_executors(small_program_path, tmp_p
     assert cli(["inspect", str(small_program_path), "--cache-dir", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert "executors (mean latency, the faster): main parallel " in shown
-    assert " / inline " in shown and ("(inline)" in shown or "(parallel)" in shown)
+    assert " / inline " in shown and ("(inline; medians " in shown or "(parallel; medians " in shown)
+    old = {"functions": {"main": {"parallel_ms": 1.0, "inline_ms": 0.5}}}  # a record made before medians were kept
+    assert executors.describe(old) == "main parallel 1.000 / inline 0.500 ms (inline)"
 
 
 def test_a_vmfb_program_is_timed_from_the_signatures_its_manifest_carries(small_vmfb_program, tmp_path):

@@ -160,13 +160,18 @@ def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, An
 
 
 def describe(record: Mapping[str, Any] | None) -> str:
-    """One line for logs and `onecopy inspect`: each function's mean latency on both executors."""
+    """One line for logs and `onecopy inspect`: each function's mean latency on both executors, the choice, and
+    the medians where the record has them."""
     if not record:
         return "not calibrated"
     timed = record.get("functions") or {}
     if not timed:
         return str(record.get("note") or "not calibrated")
+    def medians(t: Mapping[str, Any]) -> str:  # records made before medians were kept have none
+        return (f"; medians {t['parallel_p50_ms']:.3f} / {t['inline_p50_ms']:.3f}"
+                if "parallel_p50_ms" in t and "inline_p50_ms" in t else "")
+
     line = ", ".join(f"{f} parallel {t['parallel_ms']:.3f} / inline {t['inline_ms']:.3f} ms "
-                     f"({choose(record, [f])})" for f, t in timed.items())
+                     f"({choose(record, [f])}{medians(t)})" for f, t in timed.items())
     others = record.get("other_cpu")
     return line + (f"; other processes used {others:.2f} cores meanwhile" if isinstance(others, (int, float)) else "")
