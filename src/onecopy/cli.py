@@ -213,8 +213,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 p50, p90, p99 = np.percentile(times, [50, 90, 99])
                 shapes = ", ".join(f"{t.dtype}{list(t.shape)}" for t in meta.inputs)
                 # the device alone (e.g. IREE's local-sync: the calling thread); the rest would wrap the table
-                runs_on = "; ".join(dict.fromkeys(r.split(" (")[0].removeprefix("IREE ")
-                                                  for r in method.runs_on.values())) or "host ops"
+                runs_on = "; ".join(dict.fromkeys(method.devices.values())) or "host ops"
                 row = [name, shapes, f"{p50:.3f}", f"{p90:.3f}", f"{p99:.3f}", f"{min(times):.3f}", runs_on]
                 if compared is not None:
                     row += [f"{compared[0]:.3g}", f"{compared[1]:.6f}"]

@@ -267,6 +267,7 @@ def test_a_method_says_what_runs_it(small_program_path, tmp_path):
         with runtime.load_program(small_program_path, backend_options={"IreeBackend": options}) as program:
             forward = program.load_method("forward")
             assert forward.runs_on == {0: said}
+            assert forward.devices == {0: said.split()[1]}  # the device alone, for a table column
     with runtime.load_program(small_program_path) as program:  # auto: one of the two, as its figures say
         (said,) = program.load_method("forward").runs_on.values()
         assert said.startswith(("IREE local-sync", "IREE local-task"))

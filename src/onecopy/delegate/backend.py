@@ -184,6 +184,11 @@ class IreeDelegate(DelegateHandle):
         return call_copied(function, inputs, outputs, stats, context)
 
     @property
+    def device(self) -> str:
+        model = self.model
+        return model.driver if model is not None else "destroyed"
+
+    @property
     def runs_on(self) -> str:
         model = self.model
         if model is None:

@@ -123,6 +123,11 @@ class DelegateHandle(abc.ABC):
         return type(self).__name__
 
     @property
+    def device(self) -> str:
+        """The device part of `runs_on` alone, short enough for a table column (e.g. `local-sync`)."""
+        return self.runs_on
+
+    @property
     def has_bound_surfaces(self) -> bool:
         """Whether any surface is bound (checked on every call: cheaper than `bound_surfaces`)."""
         return False

@@ -136,6 +136,11 @@ class Method:
         """What runs each of its delegates: index -> engine and executor (e.g. what executor="auto" picked)."""
         return {index: handle.runs_on for index, handle in self._delegates.items()}
 
+    @property
+    def devices(self) -> dict[int, str]:
+        """Each delegate's device alone (index -> e.g. `local-sync`, `OpenVINO CPU`): `runs_on`, shorter."""
+        return {index: handle.device for index, handle in self._delegates.items()}
+
     def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
                 state: Any = None) -> list[np.ndarray]:
         """Run the method. `outputs`: caller-provided storage per output (None entries are allocated). `state`: the
