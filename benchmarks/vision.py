@@ -11,6 +11,9 @@ of the calls; ratios paired within rounds, ONNX Runtime as 1.00):
 - onecopy: the default export (`CompileSpec()`: the depthwise_nhwc rewrite on) and load (specialized for this CPU);
 - onecopy, no rewrites: `CompileSpec(rewrites=())`, for MobileNetV3-small (ResNet-18 has no depthwise conv, so its
   program is the same either way);
+- onecopy prefer=latency: `CompileSpec(delegates=("iree", "openvino"))` loaded with `prefer="latency"`: each
+  method on the delegate its first load measured fastest here (`runs_on` says which); with native bf16 also
+  `precision="bf16"` ("onecopy prefer=latency bf16"), the issue's bf16 target (<= 0.5 on ResNet-18);
 - onnxruntime 1.32: torch.onnx.export, default CPU execution provider and threading;
 - openvino fp32: `openvino.convert_model(exported program)`, `compile_model(..., "CPU",
   {"INFERENCE_PRECISION_HINT": "f32"})` (its default on AMX CPUs is bf16), default threading;
@@ -243,13 +246,16 @@ def main() -> int:
         for name in MODELS:
             model = build(name)
             methods = {f"b{b}": (model, inputs[b]) for b in BATCHES}
-            variants = {"onecopy": {}} if name == "resnet18" else {"onecopy": {}, "onecopy, no rewrites": {"rewrites": ()}}
+            variants = {"onecopy": {}, "onecopy prefer=latency": {"delegates": ("iree", "openvino")}}
+            if name != "resnet18":
+                variants["onecopy, no rewrites"] = {"rewrites": ()}
             loaded = {}
-            for peer, spec in variants.items():
+            for i, (peer, spec) in enumerate(variants.items()):
+                prefer = "latency" if "delegates" in spec else "memory"
                 with common.Stopwatch() as exporting:
-                    path = export(methods, work / f"{name}{len(spec)}.onecopy", **spec)
+                    path = export(methods, work / f"{name}{i}.onecopy", **spec)
                 with common.Stopwatch() as specializing:  # the first method loaded compiles the module
-                    program = stack.enter_context(runtime.load_program(path))
+                    program = stack.enter_context(runtime.load_program(path, prefer=prefer))
                     program.load_method("b1")
                 print(f"{name} ({peer}): export {exporting.seconds:.1f} s, first load (specialize) "
                       f"{specializing.seconds:.1f} s")
@@ -261,6 +267,10 @@ def main() -> int:
                 program = stack.enter_context(runtime.load_program(programs[(name, "onecopy")], precision="bf16"))
                 program.load_method("b1")
                 loaded["onecopy bf16"] = program
+                program = stack.enter_context(runtime.load_program(
+                    programs[(name, "onecopy prefer=latency")], precision="bf16", prefer="latency"))
+                program.load_method("b1")
+                loaded["onecopy prefer=latency bf16"] = program
             for peer in variants:  # what tuning kept and each function's executor figures, per precision
                 payload.setdefault("specializations", {})[f"{name} ({peer})"] = common.specializations(
                     programs[(name, peer)], cache_dir)
@@ -273,10 +283,11 @@ def main() -> int:
                 with torch.no_grad():
                     want = model(torch.from_numpy(x)).numpy()
                 errors = check(peers, want, x)
-                if "onecopy bf16" in peers:
-                    bf16, fp32 = np.asarray(peers["onecopy bf16"](x)).ravel(), np.asarray(peers["onecopy"](x)).ravel()
-                    errors["onecopy bf16 vs onecopy fp32"] = (
-                        f"{np.max(np.abs(bf16 - fp32)):.2e}, cosine {bf16 @ fp32 / np.linalg.norm(bf16) / np.linalg.norm(fp32):.6f}")
+                for peer in ("onecopy bf16", "onecopy prefer=latency bf16"):
+                    if peer in peers:
+                        bf16, fp32 = np.asarray(peers[peer](x)).ravel(), np.asarray(peers["onecopy"](x)).ravel()
+                        errors[f"{peer} vs onecopy fp32"] = (
+                            f"{np.max(np.abs(bf16 - fp32)):.2e}, cosine {bf16 @ fp32 / np.linalg.norm(bf16) / np.linalg.norm(fp32):.6f}")
                 payload.setdefault("runs_on", {})[f"{name} B={b}"] = {
                     peer: "; ".join(p.load_method(f"b{b}").runs_on.values()) for peer, p in loaded.items()}
                 print(f"{name} B={b}: timing {', '.join(peers)}", flush=True)
