@@ -13,9 +13,11 @@ import pytest
 from onecopy import Runtime
 from onecopy.cli import main as cli
 from onecopy.delegate.cache import open_cache
+from onecopy.delegate.page_map import HUGE_PAGE
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.export import Partitioner, export_program
 from onecopy.models import builtin_methods, builtin_model
+from tests.delegate import huge_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,6 +84,20 @@ def test_symlinked_cache_dir_is_the_same_cache(mf_program, tmp_path, states, mon
     assert states() == ["specialized", "restored", "restored", "restored"]
     out = child(mf_program, alias, env={"ONECOPY_FORBID_SPECIALIZE": "1"})
     assert out["states"] == ["restored", "restored"]
+
+
+def test_restored_weights_are_mapped_on_huge_pages_where_the_kernel_can(tmp_path):
+    if not huge_probe.file_pages_map_huge(tmp_path):
+        pytest.skip(huge_probe.SKIP_REASON)
+    model = builtin_model(width=1024, layers=2)  # 8 MiB of weights, packed for this CPU at specialization
+    path = export_program(builtin_methods(model, batches={"forward": 1}, width=1024)).save(tmp_path / "w.onecopy")
+    for _ in range(2):  # specialized (published, then mapped back), then restored by a fresh load
+        program, (method,) = load_all(path, tmp_path / "cache")
+        (delegate,) = method._delegates.values()
+        assert delegate.model.encoded_bytes >= 8 << 20
+        # Every whole huge page of the packed weights but the edges of the parameter's range
+        assert delegate.model.huge_page_bytes() >= delegate.model.encoded_bytes - 2 * HUGE_PAGE
+        program.close()
 
 
 def _entry_module(cache_dir: Path) -> Path:

@@ -287,12 +287,15 @@ class IreeBackend(Backend):
         except BaseException:
             release()
             raise
-        log.info(
-            "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s driver=%s%s",
-            parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
-            parsed.function, resolved.target.name, resolved.precision, function.model.driver,
-            " shared" if share else "",
-        )
+        if log.isEnabledFor(logging.INFO):
+            packed = function.model.encoded_bytes
+            log.info(
+                "kind=%s %s key=%s ms=%.1f %s function=%s target=%s precision=%s driver=%s%s%s",
+                parsed.packaging, state, resolved.key_prefix, (time.perf_counter() - started) * 1e3, where,
+                parsed.function, resolved.target.name, resolved.precision, function.model.driver,
+                " shared" if share else "",
+                f" packed={packed / 2**20:.1f}MiB huge={function.model.huge_page_bytes() / 2**20:.1f}MiB" if packed else "",
+            )
         delegate = IreeDelegate(function.model, function, parsed, release, share, where)  # the model running it
         try:
             for surface in self._bound_surfaces(context):

@@ -263,6 +263,13 @@ class LoadedModel:
         twin.load_state = "restored"
         return twin
 
+    def huge_page_bytes(self) -> int:
+        """How much of the packed weights this process maps with huge pages (page_map): reads /proc/self/smaps,
+        a few milliseconds, so asked for by the verbose load log and by tools, not on every load."""
+        from onecopy.delegate.page_map import huge_mapped_bytes
+
+        return sum(huge_mapped_bytes(memoryview(view)) for view in (self._encoded or {}).values())
+
     def close(self) -> None:
         """Drop the contexts and modules; the cache entry (if any) is released after them."""
         self._pool.clear()

@@ -9,6 +9,7 @@ Saving is atomic (temp file, fsync, rename): a crash never leaves a half-written
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -215,6 +216,10 @@ def _open(source: Source) -> tuple[memoryview, mmap.mmap | None, Path | None, st
             if size == 0:
                 raise ProgramFormatError(f"Program file '{where}' is empty; re-export it.")
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # Weights read in place from the program come into the page cache in huge folios where the filesystem
+        # can, so the engine can map them with huge pages (onecopy.delegate.page_map); no THP: 4 KiB pages.
+        with contextlib.suppress(OSError, AttributeError):
+            mapped.madvise(mmap.MADV_HUGEPAGE)
     except FileNotFoundError:
         raise InvalidArgument(f"Program file '{where}' does not exist.") from None
     except IsADirectoryError:
