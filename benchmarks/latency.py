@@ -141,6 +141,8 @@ def main() -> int:
             parameter_bytes = summarize(program_file, path.stat().st_size).parameter_bytes
             program_file.close()
             encoded_ratio = entry_files.get("encoded.bin", 0) / parameter_bytes if parameter_bytes else None
+            models = {id(d.model): d.model for m in loaded.values() for d in m._delegates.values()}.values()
+            huge = sum(model.huge_page_bytes() for model in models)
             programs.append({"model": label, "methods": {n: list(x.shape) for n, x in examples.items()},
                              "export_s": export_s, "load_with_specialization_s": load_s, "cache_key": key,
                              "cache_entry_files_bytes": entry_files, "program_bytes": path.stat().st_size,
@@ -148,11 +150,13 @@ def main() -> int:
                              "specialization_encoded_parameters": entry_files.get("encoded.bin", 0) > 0,
                              "parameter_bytes": parameter_bytes,
                              # how many copies of the weights the specialization's encoded (packed) form holds
-                             "encoded_bytes_over_parameter_bytes": encoded_ratio})
+                             "encoded_bytes_over_parameter_bytes": encoded_ratio,
+                             # of the packed weights, what this process maps with huge pages (page_map)
+                             "packed_weights_on_huge_pages_bytes": huge})
             print(f"\n{label}: exported in {export_s:.1f} s, loaded (specialized) in {load_s:.1f} s, cache entry "
                   f"{key[:12]}: " + ", ".join(f"{n} {b:,} B" for n, b in entry_files.items())
                   + (f"; encoded weights = {encoded_ratio:.2f} x the parameters ({parameter_bytes:,} B)"
-                     if encoded_ratio else ""))
+                     if encoded_ratio else "") + (f"; mapped with huge pages: {huge / 2**20:.1f} MiB over {len(models)} loaded models" if huge else ""))
             for name, x in examples.items():
                 definition = next(m for m in program.definition.methods if m.name == name)
                 calls = [i for i in definition.instructions if isinstance(i, DelegateCall)]
