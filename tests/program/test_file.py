@@ -1,3 +1,4 @@
+import os
 import struct
 
 import msgspec
@@ -21,6 +22,7 @@ from onecopy.program import (
     ConstArg,
     read_program,
 )
+from tests.delegate import huge_probe
 
 
 def tiny_program() -> ProgramFile:
@@ -70,6 +72,23 @@ def test_equal_content_is_stored_once_and_parameters_are_page_aligned():
     assert absolute["bundle/x"] % 16 == 0
     assert len(program.to_bytes()) < 2 * PAGE_SIZE + 4000 + 100
     loaded.close()
+
+
+def test_weights_read_in_place_map_on_huge_pages_where_the_kernel_can(tmp_path):
+    if not huge_probe.file_pages_map_huge(tmp_path):
+        pytest.skip(huge_probe.SKIP_REASON)
+    program = tiny_program()
+    weights = np.random.default_rng(0).standard_normal(3 << 20, dtype=np.float32)  # 12 MiB
+    program.data.add("param/big", weights)
+    path = program.save(tmp_path / "p.onecopy")
+    with open(path, "rb") as f:  # as after eviction (or a reboot): the load reads the file from disk
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    loaded = read_program(path)
+    try:
+        assert np.array_equal(np.frombuffer(loaded.named_data["param/big"], np.float32), weights)  # touches all
+        assert huge_probe.file_pmd_mapped(path) >= 4 * huge_probe.HUGE  # the whole huge pages inside 12 MiB
+    finally:
+        loaded.close()
 
 
 def test_same_key_with_different_bytes_is_an_error():

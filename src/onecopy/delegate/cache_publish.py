@@ -99,11 +99,12 @@ def _map(path: Path) -> mmap.mmap | None:
     return mapped
 
 
-def _drop_cached(f) -> None:
-    """Drop a just-written file's pages from the page cache (they are on disk: fsync). A write leaves them in 4 KiB
-    folios, which no process could map huge; read back through `_map`, they come in as huge folios."""
+def _drop_cached(fd: int) -> None:
+    """Drop a just-written file's pages from the page cache (they are on disk: fsync). `write_pages` writes page
+    by page, which leaves them in 4 KiB folios that no process could map huge; read back through `_map`, they
+    come in as 2 MiB folios where the filesystem can (page_map's docstring). Costs one read from disk."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to gain
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -202,7 +203,7 @@ def publish_entry(layout: CacheLayout, index: CacheIndex, key: str, result: "Spe
             encoded = write_pages(f, result.encoded)  # each distinct page once
             f.flush()
             os.fsync(f.fileno())
-            _drop_cached(f)
+            _drop_cached(f.fileno())  # read back in huge folios by `_map` below
         _write_synced(staging / MODULE, result.module if result.module is not None else b"")  # empty: encoded only
         files = {}
         for name in (MODULE, ENCODED):
