@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from onecopy.delegate import quarantine
+from onecopy.delegate import caller_wait, quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.manifest import PARAMETER_SCOPE
@@ -232,6 +232,9 @@ class LoadedModel:
             raise DelegateError(f"{self.where}: IREE could not initialize the module: {e}") from e
         with self._count_lock:
             self.contexts_created += 1
+        if self.driver == "local-task" and caller_wait.enabled():
+            # The caller waits for the workers without preempting them (onecopy.delegate.caller_wait).
+            return caller_wait.BatchWaitContext(context)
         return context
 
     def checkout(self) -> Any:
