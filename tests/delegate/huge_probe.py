@@ -9,17 +9,22 @@ from pathlib import Path
 HUGE = 2 << 20
 
 
-def file_pmd_mapped(path: Path) -> int:
-    """Bytes of `path` this process maps with PMD entries, summed over its mappings in /proc/self/smaps."""
-    total, inside = 0, False
+def mapped_kib(path: Path, *fields: str) -> dict[str, int]:
+    """KiB per smaps field (e.g. "Rss", "Pss", "FilePmdMapped") over this process's mappings of `path`."""
+    totals, inside = dict.fromkeys(fields, 0), False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split(" ", 1)[0]
             if "-" in head and ":" not in head:
                 inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("FilePmdMapped:"):
-                total += int(line.split()[1]) * 1024
-    return total
+            elif inside and head.rstrip(":") in totals:
+                totals[head.rstrip(":")] += int(line.split()[1])
+    return totals
+
+
+def file_pmd_mapped(path: Path) -> int:
+    """Bytes of `path` this process maps with PMD entries, summed over its mappings in /proc/self/smaps."""
+    return mapped_kib(path, "FilePmdMapped")["FilePmdMapped"] * 1024
 
 
 def file_pages_map_huge(directory: Path) -> bool:

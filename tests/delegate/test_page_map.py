@@ -70,18 +70,8 @@ def test_the_range_starts_where_its_largest_runs_line_up_with_their_file_pages(r
 
 
 def _pss_and_rss(path) -> tuple[int, int]:
-    pss = rss = 0
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith("Pss:"):
-                pss += int(line.split()[1])
-            elif inside and line.startswith("Rss:"):
-                rss += int(line.split()[1])
-    return pss, rss
+    kib = huge_probe.mapped_kib(path, "Pss", "Rss")
+    return kib["Pss"], kib["Rss"]
 
 
 CHILD = """

@@ -92,10 +92,8 @@ def _map(path: Path) -> mmap.mmap | None:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     with contextlib.suppress(OSError):  # no THP: 4 KiB pages
         mapped.madvise(MADV_HUGEPAGE)
-    try:
+    with contextlib.suppress(OSError):  # before Linux 5.14: the checksum faults the pages in
         mapped.madvise(MADV_POPULATE_READ)
-    except OSError:  # before Linux 5.14: the checksum faults the pages in
-        pass
     return mapped
 
 
