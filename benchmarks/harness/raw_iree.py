@@ -39,11 +39,16 @@ class RawIree:
     `function` with a VmVariantList and VmContext.invoke: the input copied into a device buffer, the output mapped
     and copied into a new numpy array (the same work per call as onecopy's engine). It has its own VmInstance
     and local-task device unless `device` is given.
+
+    `caller_wait`: its calls wait for IREE's workers the way onecopy's do (onecopy.delegate.caller_wait: the
+    calling thread as SCHED_BATCH while a call runs on a `local-task` device), so that onecopy ÷ this measures
+    onecopy's own cost per call alone; without it, the raw call waits as iree.runtime's users' calls do.
     """
 
     name = "raw IREE"
 
-    def __init__(self, entry_dir: Path, program_path: Path, function: str, *, device: Any = None):
+    def __init__(self, entry_dir: Path, program_path: Path, function: str, *, device: Any = None,
+                 caller_wait: bool = False):
         import iree.runtime as rt
         import numpy as np
 
@@ -73,6 +78,10 @@ class RawIree:
             rt.create_io_parameters_module(self.instance, *providers),
             self.module,
         ])
+        if caller_wait:
+            from onecopy.delegate.caller_wait import BatchWaitContext
+
+            self.context = BatchWaitContext(self.context)
         self.function = self.module.lookup_function(function)
         if self.function is None:
             raise RuntimeError(f"{entry_dir} has no function {function}: {self.module.function_names}")

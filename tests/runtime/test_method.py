@@ -158,9 +158,38 @@ def test_a_checked_call_hands_the_delegate_its_inputs_in_its_order_with_constant
     assert [x is y for x, y in zip(handle.seen[0], (a, b, c))] == [True] * 3
     out = np.empty(5)
     into = CheckedCall(method, handle, templates, (0, 1, 2), outputs=1, out_templates=(out,))
-    assert into.run([a, b, c], [out]) == ["result"] and handle.seen[1] == [out]  # the storage, to write
+    assert into.run([a, b, c], outs=[out]) == ["result"] and handle.seen[1] == [out]  # the storage, to write
     handle.has_bound_surfaces = True  # bound since: the call must go the checked way
     assert direct.run([a, b, c]) is None
+
+
+def test_an_iree_checked_call_does_the_methods_bookkeeping_itself(small_program_path, small_model, rng,
+                                                                   monkeypatch, caplog):
+    """The IREE delegate runs a checked call whole, bookkeeping included, as one closure (engine.copied_call with a
+    report): the runtime's own frames around it never run, and results, stats and the debug log are the same."""
+    import logging
+
+    from onecopy.runtime.checked_calls import CheckedCall
+
+    monkeypatch.setattr(CheckedCall, "_checked_run", lambda *a, **k: pytest.fail("the runtime's frames ran"))
+    with Runtime().load_program(small_program_path) as program:
+        forward = program.load_method("forward")
+        out = np.empty((1, 64), np.float32)
+        forward.execute([rng.standard_normal((1, 64), dtype=np.float32)])  # checked: kept for the next calls
+        forward.execute([rng.standard_normal((1, 64), dtype=np.float32)], outputs=[out])
+        for storage in (None, out):
+            x = rng.standard_normal((1, 64), dtype=np.float32)
+            with caplog.at_level(logging.DEBUG, logger="onecopy"):
+                (y,) = forward.execute([x], outputs=None if storage is None else [storage])
+            assert storage is None or y is storage
+            np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+            stats = forward.last_copy_stats
+            assert (stats.copied_in, stats.copied_out, stats.in_place_in) == (x.nbytes, y.nbytes, 0)
+            stats.copied_in = -1  # a copy: the next call's stats are not the caller's to change
+            assert forward.last_copy_stats.copied_in == x.nbytes
+            assert [r.message for r in caplog.records] == [
+                f"method forward: copied in {x.nbytes} B, out {y.nbytes} B; in place in 0 B, out 0 B"]
+            caplog.clear()
 
 
 @pytest.mark.parametrize(

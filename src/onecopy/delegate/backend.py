@@ -26,7 +26,7 @@ from onecopy.delegate.targets import CPU_EXECUTORS
 from onecopy.delegate.tuning import signatures
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
 from onecopy.program import NamedData
-from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary
+from onecopy.runtime.backend import Backend, DelegateHandle, DelegateSummary, RunReport
 from onecopy.runtime.copy_stats import CopyStats
 from onecopy.runtime.init_context import InitContext
 
@@ -131,6 +131,15 @@ class IreeDelegate(DelegateHandle):
         if function.outputs_in_place:  # needs output storage: not a call that returns its results
             return super().copied_call(inputs, outputs)
         return function.copied_call(inputs, outputs)
+
+    def checked_call(self, inputs: Sequence[np.ndarray], outputs: int, report: RunReport
+                     ) -> Callable[..., list[np.ndarray] | None] | None:
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        if function.outputs_in_place:
+            return None
+        return function.copied_call(inputs, outputs, report)
 
     def bind_surface(self, surface: Any) -> None:
         function = self._function

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from logging import DEBUG
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.manifest import PARAMETER_SCOPE
 from onecopy.delegate.targets import Target
 from onecopy.errors import DelegateError, ExecutionError
+from onecopy.runtime.backend import RunReport
 from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
@@ -327,16 +329,25 @@ class EngineFunction:
         self.bindings = {**self.bindings, binding.base_address: binding}
 
     def copied_call(
-        self, inputs: Sequence[np.ndarray], outputs: int
-    ) -> Callable[..., list[np.ndarray]]:
+        self, inputs: Sequence[np.ndarray], outputs: int, report: RunReport | None = None
+    ) -> Callable[..., list[np.ndarray] | None]:
         """`call_copied` specialized for inputs shaped as `inputs` and `outputs` results: everything that does not
         change between calls (element types, bytes in, the allocator, the bound methods) is looked up here, once,
         and held by a closure, `call(arrays, stats, state=None, outs=None)`: it runs in a context of the model's
         pool, or in a State's (`state.context`, onecopy.delegate.state), and copies its results into `outs` (the
-        caller's storage, checked by the caller) or new arrays. Such a call runs right after the previous one, with
-        the interpreter's caches cold, where each attribute lookup and Python frame costs a cache miss or more:
-        measured call by call against the raw IREE call, the general path added ~90 us to a 4 ms `prefill`, this
-        one ~20. So the State's variant is a branch here, not a frame around it."""
+        caller's storage, checked by the caller) or new arrays.
+
+        With `report`, the closure is a method's whole checked call, `call(arrays, outs=...)`: it also does the
+        method's bookkeeping (refuses once the program is closed, returns None when a surface was bound since,
+        records its `CopyStats` in `report.local`), as a frame step does for bound surfaces.
+
+        Such a call runs right after the previous one, with the interpreter's caches cold (the engine has just
+        streamed the weights through them), where each Python frame and attribute lookup costs cache misses:
+        measured call by call against the raw IREE call, the general path added ~90 us to a 4 ms `prefill`, a
+        closure ~20; on the built-in model's forward (0.55 ms on IREE's workers, its 32 MB of weights streamed
+        each call), the runtime's bookkeeping around this closure and its helpers' frames (dense, checkout,
+        checkin, copy_out) added 20 us more, none with everything in this one frame. So the State's variant and
+        the bookkeeping are branches here, not frames around it, and the helpers are written inline."""
         rt, model = self.rt, self.model
         device = model.device
         allocate = device.allocator.allocate_buffer_copy
@@ -344,32 +355,80 @@ class EngineFunction:
         element_types = tuple(self._element_type(array.dtype) for array in inputs)
         bytes_in = sum(int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize for array in inputs)
         vm_function, engine_error = self._vm_function, self.engine_error
-        checkout, checkin = model.checkout, model.checkin
+        pool, checkout = model._pool, model.checkout
+        take, give_back = pool.pop, pool.append
         variant_list, view_type = rt.VmVariantList, rt.HalBufferView
-        copy_out, indices = self.copy_out, range(outputs)
+        dtypes, dtype_of = _dtypes, self._dtype
+        indices = range(outputs)
         count, result_count = len(inputs), max(outputs, 1)
+        copyto, array_copy, gather = np.copyto, np.array, np.ascontiguousarray
+        checked = report is not None
+        if checked:
+            assert report is not None
+            is_closed, on_closed, local, record = report.closed.is_set, report.on_closed, report.local, report.record
+            debug_enabled = log.isEnabledFor
+        function = self
+        constant: list[CopyStats] = []  # the stats of a call (the same every call of a signature), once known
 
-        def call(arrays: Sequence[np.ndarray], stats: CopyStats, state: Any = None,
-                 outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        def call(arrays: Sequence[np.ndarray], stats: CopyStats | None = None, state: Any = None,
+                 outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray] | None:
+            if checked:
+                if is_closed():
+                    on_closed()
+                if function.bindings:  # an input may now be a bound surface: the method's planning must see it
+                    return None
+                debug = debug_enabled(DEBUG)
             args = variant_list(count)
             for array, element_type in zip(arrays, element_types):
+                if not array.flags.c_contiguous:  # `dense`, inline: 0-d arrays are always contiguous
+                    array = gather(array)
                 args.push_ref(allocate(memory_type=memory_type, allowed_usage=usage, device=device,
-                                       buffer=dense(array), element_type=element_type))
-            stats.copied_in += bytes_in
+                                       buffer=array, element_type=element_type))
             results = variant_list(result_count)
-            context = checkout() if state is None else state.context
-            if context is None:
-                raise ExecutionError(f"{state.where}: this state was closed with its program; load the program again.")
+            if state is None:
+                try:
+                    context = take()
+                except IndexError:
+                    context = checkout()  # none free: a new one
+            else:
+                context = state.context
+                if context is None:
+                    raise ExecutionError(f"{state.where}: this state was closed with its program; load the program "
+                                         "again.")
             try:
                 context.invoke(vm_function, args, results)
             except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
                 raise engine_error(e) from e
             finally:
                 if state is None:
-                    checkin(context)
-            if outs is None:
-                return [copy_out(results.get_as_object(i, view_type), None, stats) for i in indices]
-            return [copy_out(results.get_as_object(i, view_type), outs[i], stats) for i in indices]
+                    give_back(context)
+            produced = []
+            copied_out = 0
+            for i in indices:
+                view = results.get_as_object(i, view_type)
+                dtype = dtypes.get(view.element_type)
+                if dtype is None:
+                    dtype = dtype_of(view.element_type)
+                host = view.map().asarray(tuple(view.shape), dtype)
+                copied_out += host.nbytes
+                if outs is None:
+                    produced.append(array_copy(host, copy=True))
+                else:
+                    copyto(outs[i], host)  # through the storage's strides
+                    produced.append(outs[i])
+            if not checked:
+                stats.copied_in += bytes_in  # type: ignore[union-attr]  (given by every caller but a method's)
+                stats.copied_out += copied_out  # type: ignore[union-attr]
+                return produced
+            # A stats object per signature, not per call: `Method.last_copy_stats` hands out copies.
+            kept = constant[0] if constant and constant[0].copied_out == copied_out else None
+            if kept is None:
+                kept = CopyStats(copied_in=bytes_in, copied_out=copied_out)
+                constant[:] = [kept]
+            local.stats = kept
+            if debug:
+                record(kept, True)
+            return produced
 
         return call
 
@@ -380,6 +439,11 @@ class EngineFunction:
             memory_type=self._memory_type, allowed_usage=self._usage, device=device, buffer=dense(array),
             element_type=element_type,
         )
+
+    def _dtype(self, element_type: Any) -> np.dtype:
+        """The numpy dtype of a HAL element type not seen before (then kept in `_dtypes`)."""
+        dtype = _dtypes[element_type] = self.rt.HalElementType.map_to_dtype(element_type)
+        return dtype
 
     def _element_type(self, dtype: np.dtype) -> Any:
         element_type = _element_types.get(dtype)
@@ -412,12 +476,10 @@ class EngineFunction:
         return ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}")
 
     def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
-        element_type = view.element_type
-        dtype = _dtypes.get(element_type)
+        dtype = _dtypes.get(view.element_type)
         if dtype is None:
-            dtype = _dtypes[element_type] = self.rt.HalElementType.map_to_dtype(element_type)
-        mapped = view.map()
-        host = mapped.asarray(tuple(view.shape), dtype)
+            dtype = self._dtype(view.element_type)
+        host = view.map().asarray(tuple(view.shape), dtype)
         stats.copied_out += host.nbytes
         if out is not None:
             np.copyto(out, host)  # through `out`'s strides: padded surface rows stay padded

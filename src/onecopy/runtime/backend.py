@@ -107,6 +107,17 @@ class DelegateHandle(abc.ABC):
         nothing: list[None] = [None] * outputs
         return lambda arrays, stats, outs=None: self.execute(arrays, nothing if outs is None else outs, stats)
 
+    def checked_call(
+        self, inputs: Sequence[np.ndarray], outputs: int, report: RunReport
+    ) -> Callable[..., list[np.ndarray] | None] | None:
+        """`copied_call` for a method that is this one delegate call on its own inputs, with the method's
+        bookkeeping (`report`) done inside the call, `call(arrays, outs=None)` (`outs` by keyword): refuse once closed, return None
+        when a surface was bound since (the call must then go the checked way, planned), record the CopyStats.
+        What runs between two calls runs with the interpreter's caches cold, so a backend that can do it all in
+        one frame saves the runtime's frames around it. None (this default): the runtime does the bookkeeping
+        around `copied_call`."""
+        return None
+
     def bind_surface(self, surface: Any) -> None:
         """Read and write `surface` in place when an argument is the surface's memory in its own layout (its base
         address, C-contiguous, all of it); any other view of it is copied through its strides."""

@@ -59,7 +59,7 @@ class CheckedCall:
     written instead of new arrays. Immutable, so shared by every thread calling the method. `arguments`: per
     delegate input, the index of the method input it is, or a constant of the program."""
 
-    __slots__ = ("_report", "_handle", "templates", "out_templates", "_arguments", "_call", "_direct")
+    __slots__ = ("_report", "_handle", "templates", "out_templates", "_arguments", "_call", "_direct", "run")
 
     def __init__(self, report: RunReport, handle: DelegateHandle, templates: tuple[np.ndarray, ...],
                  arguments: tuple[int | np.ndarray, ...], outputs: int,
@@ -72,12 +72,19 @@ class CheckedCall:
         # The delegate takes the inputs as given (compared one by one: a constant is an array, never equal).
         self._direct = len(arguments) == len(templates) and all(
             type(a) is int and a == i for i, a in enumerate(arguments))
-        # What the delegate can work out once for this signature, it does now (DelegateHandle.copied_call).
-        self._call = handle.copied_call(_shapes(arguments, templates), outputs)
+        # What the delegate can work out once for this signature, it does now: the whole call with the method's
+        # bookkeeping when it can (DelegateHandle.checked_call, one frame: `run` is that callable), else the
+        # engine call, around which `_checked_run` does the bookkeeping (DelegateHandle.copied_call).
+        whole = handle.checked_call(templates, outputs, report) if self._direct else None
+        self._call = handle.copied_call(_shapes(arguments, templates), outputs) if whole is None else None
+        self.run = whole if whole is not None else self._checked_run
 
-    def run(self, inputs: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None) -> list[np.ndarray] | None:
-        """The call's results (`outs` when given); None when a surface was bound since (the call must go the
-        checked way)."""
+    run: Callable[..., list[np.ndarray] | None]
+    """`run(inputs, outs=None)` (`outs` by keyword): the call's results (`outs` when given); None when a surface
+    was bound since (the call must go the checked way)."""
+
+    def _checked_run(self, inputs: Sequence[np.ndarray], outs: Sequence[np.ndarray] | None = None
+                     ) -> list[np.ndarray] | None:
         report = self._report
         if report.closed.is_set():
             report.on_closed()

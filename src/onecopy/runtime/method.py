@@ -168,7 +168,7 @@ class Method:
                 return produced
             for checked in self._checked_into:  # storage of a signature that passed the checks: writable is all
                 if same_shapes(inputs, checked.templates) and same_shapes(outputs, checked.out_templates, True):
-                    produced = checked.run(inputs, outputs)
+                    produced = checked.run(inputs, outs=outputs)
                     if produced is not None:
                         return produced
                     break
