@@ -81,7 +81,8 @@ def fake_calibration(monkeypatch):
     def fake(load, calls, budget_s, where):
         for executor in EXECUTORS:
             load(executor).close()  # the real models are made and closed as they are when timed
-        made = {"functions": {f: dict(timed[f]) for f in calls if f in timed}}
+        made = {"functions": {f: dict(timed[f]) for f in calls if f in timed},
+                "caller_wait": executors.caller_wait_mode()}
         return {**made, "workers": timed["workers"]} if "workers" in timed else made
 
     monkeypatch.setattr("onecopy.delegate.specialize.calibrate_models", fake)
@@ -345,3 +346,52 @@ def test_cache_recalibrate_cli(multifunction_path, tmp_path, capsys, fake_calibr
     assert "prefill: IREE local-task (IREE's task workers)" in out
     assert cli(["cache", "recalibrate", "--cache-dir", str(tmp_path)]) == 2
     assert "needs the program file" in capsys.readouterr().err
+
+
+def test_figures_of_another_caller_wait_are_stale(monkeypatch):
+    """A record made before the caller's batch wait (none named: "normal"), or with it turned off, times the
+    workers as they no longer run: stale, for the functions it timed so, and only with as many workers."""
+    monkeypatch.setattr(executors.caller_wait, "_enabled", True)
+    figures = {"parallel_ms": 1.0, "inline_ms": 0.9}
+    old = {"functions": {"f": figures, "g": figures}, "workers": 2}
+    assert executors.stale(old, ["f"], 2) and not executors.stale(old, ["h"], 2)  # h: never timed
+    assert not executors.stale(old, ["f"], 4)  # another number of workers: not used at all
+    assert not executors.stale(None, ["f"], 2) and not executors.stale({"functions": {}}, ["f"], 2)
+    new = {"functions": {"f": figures}, "workers": 2, "caller_wait": "batch"}
+    assert not executors.stale(new, ["f"], 2)
+    merged = executors.merge(old, new)  # f timed again; g's figures kept, saying how they were timed
+    assert merged["functions"]["g"]["caller_wait"] == "normal" and "caller_wait" not in merged["functions"]["f"]
+    assert not executors.stale(merged, ["f"], 2) and executors.stale(merged, ["g"], 2)
+    assert executors.merge(merged, {**new, "functions": {"g": figures}})["functions"] == {"f": figures, "g": figures}
+    monkeypatch.setattr(executors.caller_wait, "_enabled", False)  # ONECOPY_CALLER_WAIT=normal
+    assert executors.stale(new, ["f"], 2) and not executors.stale(old, ["f"], 2)
+
+
+def test_a_restored_entry_timed_with_another_caller_wait_is_timed_again_once(small_program_path, tmp_path,
+                                                                            monkeypatch, caplog):
+    import logging
+
+    with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+        program.load_method("forward")
+    (entry,) = (tmp_path / "v1" / "entries").iterdir()
+    meta = json.loads((entry / "entry.json").read_text())
+    assert meta["executors"]["caller_wait"] == executors.caller_wait_mode()
+    other = "normal" if executors.caller_wait_mode() == "batch" else "batch"
+    timed = {**meta["executors"], "caller_wait": other, "measured": 1}  # as made before the batch wait
+    (entry / "entry.json").write_text(json.dumps({**meta, "executors": timed}))
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # restored, never compiled again
+    with caplog.at_level(logging.INFO, logger="onecopy"):  # an executor named: nothing to choose, nothing timed
+        with Runtime(cache_dir=tmp_path).load_program(
+                small_program_path, backend_options={"IreeBackend": {"executor": "parallel"}}) as program:
+            program.load_method("forward")
+    assert entry_executors(tmp_path) == timed and not any("timing them again" in r.message for r in caplog.records)
+    for load in range(2):
+        with caplog.at_level(logging.INFO, logger="onecopy"):
+            with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+                picked = drivers(program, "forward")
+        again = entry_executors(tmp_path)
+        timing_again = [r for r in caplog.records if "timing them again" in r.message]
+        assert len(timing_again) == (1 if load == 0 else 0)
+        assert again["caller_wait"] == executors.caller_wait_mode() and again["measured"] > 1
+        assert picked == {"forward": {"inline": "local-sync", "parallel": "local-task"}[choose(again, ["main"])]}
+        caplog.clear()

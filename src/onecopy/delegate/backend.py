@@ -15,7 +15,7 @@ from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.cache import CacheEntry
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.engine import EngineFunction, LoadedModel
-from onecopy.delegate.executors import choose, merge
+from onecopy.delegate.executors import caller_wait_mode, choose, merge, stale
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.model_set import ModelSet
@@ -62,9 +62,10 @@ def _code(context: InitContext, key: str, what: str) -> memoryview:
 def _recalibrated(context: InitContext, resolved: Resolved, entry: CacheEntry, code: bytes | memoryview,
                   encoded: Mapping[str, memoryview], parameters: Mapping[str, memoryview],
                   state_zeros: Mapping[str, int], serves: Sequence[str] | None) -> dict | None:
-    """Backend option `recalibrate`: time the functions this load serves (all of the module's for a shared model)
-    on both CPU executors again, and keep the figures in the restored entry, beside those other loads measured
-    (onecopy.delegate.executors.merge). Returns the record this load picks its executor from."""
+    """Backend option `recalibrate`, or figures timed with the calling thread waiting otherwise (`executors.stale`):
+    time the functions this load serves (all of the module's for a shared model) on both CPU executors again, and
+    keep the figures in the restored entry, beside those other loads measured (onecopy.delegate.executors.merge).
+    Returns the record this load picks its executor from."""
     manifest, where = resolved.manifest, context.where
     try:
         if manifest.packaging == "vmfb":
@@ -373,8 +374,17 @@ class IreeBackend(Backend):
                 )
                 module, encoded, calibration = entry.module(), entry.encoded(), entry.executors
             code = code if code is not None else module
-            if context.backend_options.get("recalibrate") and state == "restored" and entry is not None and code:
-                calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros, serves)
+            if state == "restored" and entry is not None and code:
+                timed = serves if serves is not None else list((calibration or {}).get("functions") or ())
+                again = bool(context.backend_options.get("recalibrate"))
+                if not again and not resolved.driver and stale(calibration, timed, worker_count()):
+                    # Figures of another wait of the calling thread (onecopy.delegate.executors): once, kept.
+                    log.info("%s: executors were timed with the calling thread waiting otherwise than it now does "
+                             "(%s): timing them again", where, caller_wait_mode())
+                    again = True
+                if again:
+                    calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros,
+                                                serves)
         if code is None:  # an mlir key's entry without a module: onecopy never writes one
             if entry is not None:
                 entry.close()

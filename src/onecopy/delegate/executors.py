@@ -18,7 +18,10 @@ one model serves several functions that must run in the same VM contexts (a modu
 serves them all: the one whose geometric mean of time ratios over those functions is lower, so that each
 function counts alike whatever its absolute time. A shared multifunction model without state runs each function
 on its own choice (onecopy.delegate.model_set). The record names the number of task workers it was measured with; a process
-with another number (another CPU quota, same CPU) does not use it and runs on the workers.
+with another number (another CPU quota, same CPU) does not use it and runs on the workers. It also names how the
+calling thread waited for the workers (`caller_wait`, onecopy.delegate.caller_wait): that moves the workers' times
+by up to 40% (prefill B=16 on 2 vCPUs: mean 3.2 against 1.9 ms), so figures measured with another wait (a record
+made before the batch wait existed names none) are `stale`, and a load times the functions it serves again, once.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate import caller_wait
 from onecopy.delegate.cpus import worker_count
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["EXECUTORS", "calibrate", "calibrate_models", "choose", "describe", "merge"]
+__all__ = ["EXECUTORS", "caller_wait_mode", "calibrate", "calibrate_models", "choose", "describe", "merge", "stale"]
 
 log = logging.getLogger("onecopy")
 
@@ -79,6 +83,23 @@ def calibrate(run: Run, functions: Sequence[str], budget_s: float) -> dict[str, 
     return {"functions": figures, "rounds": rounds, "elapsed_s": round(time.perf_counter() - started, 3)}
 
 
+def caller_wait_mode() -> str:
+    """How a call on the workers waits in this process: "batch" (onecopy.delegate.caller_wait) or "normal"."""
+    return "batch" if caller_wait.enabled() else "normal"
+
+
+def stale(record: Mapping[str, Any] | None, functions: Collection[str], workers: int | None = None) -> bool:
+    """Whether any of `functions` has figures in `record` measured with the calling thread waiting otherwise than
+    calls wait in this process now: worth timing again. A function's figures carry the wait they were timed with
+    when the record also holds newer ones (`merge`), else the record's; a record without it predates the batch
+    wait ("normal"). A record of another number of workers is not used at all (`choose`), so not stale."""
+    if not record or (workers is not None and record.get("workers") not in (None, workers)):
+        return False
+    timed, mode = record.get("functions") or {}, caller_wait_mode()
+    default = record.get("caller_wait", "normal")
+    return any(f in timed and timed[f].get("caller_wait", default) != mode for f in functions)
+
+
 def choose(record: Mapping[str, Any] | None, functions: Collection[str], workers: int | None = None) -> str | None:
     """The executor to run `functions` (one model) on, from a calibration record; None when the record does not
     cover them (no record, a function not timed) or was measured with another number of task workers than
@@ -118,7 +139,7 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
         for executor in EXECUTORS:
             models[executor] = load(executor)
         busy, own = _machine_busy_s(), time.process_time()
-        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(),
+        record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(), "caller_wait": caller_wait_mode(),
                   "measured": int(time.time())}  # floored: a record is never dated after the moment it was read
         # What else ran meanwhile: a choice made while other processes (or the hypervisor's other guests) took
         # the cores may not be the quiet machine's; the backend option `recalibrate` measures again.
@@ -156,7 +177,11 @@ def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, An
     were measured with another number of task workers or `new` timed nothing, then `new` alone."""
     if not old or not new.get("functions") or old.get("workers") != new.get("workers"):
         return dict(new)
-    return {**old, **new, "functions": {**(old.get("functions") or {}), **new["functions"]}}
+    # Figures kept from another wait of the calling thread say so: the record's wait becomes the new figures'.
+    waited, kept = old.get("caller_wait", "normal"), dict(old.get("functions") or {})
+    if waited != new.get("caller_wait", "normal"):
+        kept = {f: {"caller_wait": waited, **t} for f, t in kept.items()}
+    return {**old, **new, "functions": {**kept, **new["functions"]}}
 
 
 def describe(record: Mapping[str, Any] | None) -> str:
@@ -174,4 +199,6 @@ def describe(record: Mapping[str, Any] | None) -> str:
     line = ", ".join(f"{f} parallel {t['parallel_ms']:.3f} / inline {t['inline_ms']:.3f} ms "
                      f"({choose(record, [f])}{medians(t)})" for f, t in timed.items())
     others = record.get("other_cpu")
-    return line + (f"; other processes used {others:.2f} cores meanwhile" if isinstance(others, (int, float)) else "")
+    waited = f"; the caller waited as a {record['caller_wait']} thread" if "caller_wait" in record else ""
+    return line + waited + (f"; other processes used {others:.2f} cores meanwhile"
+                            if isinstance(others, (int, float)) else "")
