@@ -111,11 +111,11 @@ class DelegateHandle(abc.ABC):
         self, inputs: Sequence[np.ndarray], outputs: int, report: RunReport
     ) -> Callable[..., list[np.ndarray] | None] | None:
         """`copied_call` for a method that is this one delegate call on its own inputs, with the method's
-        bookkeeping (`report`) done inside the call, `call(arrays, outs=None)` (`outs` by keyword): refuse once closed, return None
-        when a surface was bound since (the call must then go the checked way, planned), record the CopyStats.
-        What runs between two calls runs with the interpreter's caches cold, so a backend that can do it all in
-        one frame saves the runtime's frames around it. None (this default): the runtime does the bookkeeping
-        around `copied_call`."""
+        bookkeeping (`report`) done inside the call, `call(arrays, outs=None)` (`outs` by keyword): refuse once
+        closed, return None when a surface was bound since (the call must then go the checked way, planned), and
+        record the CopyStats. What runs between two calls runs with the interpreter's caches cold, so a backend
+        that does it all in one frame saves the runtime's frames around it. None (this default): the runtime does
+        the bookkeeping around `copied_call`."""
         return None
 
     def bind_surface(self, surface: Any) -> None:
