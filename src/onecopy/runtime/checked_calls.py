@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from logging import DEBUG
+from operator import itemgetter
 from typing import TypeVar
 
 import numpy as np
@@ -103,7 +104,8 @@ class CheckedStateCall:
     """`CheckedCall` for a stateful method: run on a `State`, whose calls it serializes, with the inputs that
     index the engine's memory checked on every call (`bounds`: input index -> [low, high])."""
 
-    __slots__ = ("_report", "_name", "_bounds", "_handle", "templates", "out_templates", "_arguments", "_call")
+    __slots__ = ("_report", "_name", "_bounds", "_handle", "templates", "out_templates", "_arguments", "_call",
+                 "_pick", "_domain")
 
     def __init__(self, report: RunReport, name: str, bounds: dict[int, tuple[int, int]], handle: DelegateHandle,
                  templates: tuple[np.ndarray, ...], arguments: tuple[int | np.ndarray, ...], outputs: int,
@@ -116,6 +118,11 @@ class CheckedStateCall:
         self.out_templates = out_templates
         self._arguments = arguments
         self._call = handle.state_copied_call(_shapes(arguments, templates), outputs)
+        # A decode step runs every few tens of microseconds, where each Python frame is a few percent: the
+        # delegate's arguments taken from the inputs by one C call when they are inputs only (a list
+        # comprehension is a frame of its own), and the State's backend state looked up without two.
+        self._pick = itemgetter(*arguments) if len(arguments) > 1 and all(type(a) is int for a in arguments) else None
+        self._domain = handle.state_domain()
 
     def run(self, inputs: Sequence[np.ndarray], state: State, outs: Sequence[np.ndarray] | None = None
             ) -> list[np.ndarray]:
@@ -124,13 +131,16 @@ class CheckedStateCall:
             report.on_closed()
         if self._bounds:
             check_bounds(self._name, self._bounds, inputs)
-        arguments = [inputs[a] if type(a) is int else a for a in self._arguments]
+        pick = self._pick
+        arguments = pick(inputs) if pick is not None else [inputs[a] if type(a) is int else a for a in self._arguments]
         stats = CopyStats()
         debug = log.isEnabledFor(DEBUG)
+        domain = self._domain
         with state._lock:
             if state._closed or state._program.closed:
                 state._check()
-            backend_state = state._backend_for(self._handle)
+            known = state._domains.get(id(domain))  # State._backend_for, inline when the State has it
+            backend_state = known[1] if known is not None and known[0] is domain else state._backend_for(self._handle)
             produced = (self._call(arguments, stats, backend_state) if outs is None
                         else self._call(arguments, stats, backend_state, outs=outs))
         report.record(stats, debug)
