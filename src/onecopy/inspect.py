@@ -190,7 +190,7 @@ def describe_tuning(tuning: dict[str, Any] | None) -> str:
             shown = f"{shown}, {trial['error']}" if shown else trial["error"]
         trials.append(f"{trial['name']} {shown}")
     budget = f" of a {tuning['budget_s']:.1f} s budget" if tuning.get("budget_s") is not None else ""
-    note = f"; {tuning['note']}" if tuning.get("note") else ""
+    note = "".join(f"; {tuning[key]}" for key in ("note", "order") if tuning.get(key))
     return (f"tuned: chose {tuning['chosen']} in {tuning.get('elapsed_s', 0):.1f} s{budget} "
             f"({'; '.join(trials)}){note}")
 

@@ -48,7 +48,7 @@ from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS, Function
 from onecopy.delegate.precision import precision_flags, without_droppable
 from onecopy.delegate.targets import CPU_EXECUTORS, Target
 from onecopy.delegate.tuning import (
-    DEFAULT, Candidate, Runner, Signature, Tuning, candidates, example_inputs, signatures,
+    DEFAULT, Candidate, Runner, Signature, Tuning, example_inputs, plan, signatures,
 )
 from onecopy.delegate.tuning import tune as tuned
 from onecopy.errors import DelegateError
@@ -251,7 +251,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
                  target: Target, where: str, *, tune: bool, precision: str) -> Specialization:
     if not tune:
         return build(DEFAULT)
-    options = candidates(source)
+    options, order = plan(source)
     if len(options) == 1:  # nothing to choose between: no model to load and time, the first load costs no more
         made = build(DEFAULT)
         made.tuning = Tuning(DEFAULT, note="no convolution: one configuration", precision=precision).record()
@@ -274,7 +274,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
         return made, run
 
     try:
-        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision)
+        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision, order=order)
     finally:
         for model in models:
             model.close()

@@ -32,8 +32,9 @@ import numpy as np
 
 from onecopy.errors import DelegateError
 
-__all__ = ["BUDGET_FACTOR", "CANDIDATES", "DEFAULT", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates", "has_convolution",
-           "signatures", "tune"]
+__all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CONV_DATA_TILING", "DEEP_CHANNELS",
+           "DEFAULT", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates",
+           "deep_convolution_share", "has_convolution", "plan", "signatures", "tune"]
 
 log = logging.getLogger("onecopy")
 
@@ -56,17 +57,26 @@ class Candidate:
 
 
 DEFAULT = Candidate("default")
-CANDIDATES: tuple[Candidate, ...] = (
-    DEFAULT,
-    # Tried first: the budget often leaves room for one candidate only, and on a small CNN here (3 dense 3x3
-    # convolutions and a 1x1, 3x64x64) it won twice out of two (1.98 and 2.27 ms against 3.06 and 3.83 default,
-    # conv data tiling 2.77 and 3.18), as it did on dense 3x3 convolutions in the design notes' figures.
-    Candidate("channels-last", (
-        "--iree-preprocessing-pass-pipeline="
-        "builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
-    )),
-    Candidate("conv-data-tiling", ("--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution",)),
-)
+CHANNELS_LAST = Candidate("channels-last", (
+    "--iree-preprocessing-pass-pipeline="
+    "builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
+))
+CONV_DATA_TILING = Candidate("conv-data-tiling", ("--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution",))
+CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS_LAST.flags + CONV_DATA_TILING.flags)
+# In the order tried when dense convolutions over wide inputs do not carry most of the work (`candidates` puts
+# channels-last+conv-data-tiling first when they do). The budget often leaves room for one candidate only, so the
+# order is the guess. Measured on a Xeon with AVX-512, every candidate timed (ms):
+#                                       default  channels-last  cl+conv-data-tiling  conv-data-tiling
+#   ResNet-18, 3x224x224                 95.2       41.4            27.2               73.0
+#   MobileNetV3-small (depthwise_nhwc)    3.05       2.52            4.17               4.43
+#   3 dense 3x3 convs (32 ch) + 1x1, 64x64 1.59      0.78            1.08               1.29
+#   3 ResNet-50 bottlenecks (64/256 ch), 56x56 16.6   8.87            9.26              22.2
+#   two 1x1 convs (64/128 ch), 56x56      0.77       0.85            0.94               2.74
+# Conv data tiling pays where the convolutions are deep (ResNet-18's 128-512 channel 3x3 convs at 28x28 to 7x7, its
+# micro kernel's tiles full) and costs where they are wide and shallow, or pointwise (a 1x1 conv 12.7x slower alone).
+CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_TILING, CONV_DATA_TILING)
+# Dense (kernel > 1x1, not depthwise) convolutions reading at least this many channels a group are "deep" here.
+DEEP_CHANNELS = 128
 
 # Operation names as they appear in a bundle (torch dialect from export, linalg if lowered further). MLIR bytecode
 # stores every operation name as a plain string, so a byte search finds them without parsing the module (~0.2 s).
@@ -79,9 +89,72 @@ def has_convolution(source: bytes | memoryview) -> bool:
 
 
 def candidates(source: bytes | memoryview) -> list[Candidate]:
-    """The configurations worth trying for `source`: every candidate when it holds a convolution (what the
-    candidates change), else the default alone."""
-    return list(CANDIDATES) if has_convolution(source) else [DEFAULT]
+    """The configurations worth trying for `source`, in the order tried: see `plan`."""
+    return plan(source)[0]
+
+
+def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
+    """The configurations worth trying for `source`, in the order tried, and why that order. Every candidate
+    when it holds a convolution (what the candidates change), else the default alone; channels-last+conv-data-
+    tiling right after the default when deep dense convolutions carry at least half of the multiply-adds
+    (`deep_convolution_share`)."""
+    if not has_convolution(source):
+        return [DEFAULT], "no convolution: one configuration"
+    share = deep_convolution_share(source)
+    first, rest = CANDIDATES[0], list(CANDIDATES[1:])
+    if share >= 0.5:
+        rest.sort(key=lambda c: c.name != CHANNELS_LAST_DATA_TILING.name)  # stable: the others keep their order
+    return [first, *rest], (f"{share:.0%} of the multiply-adds in dense convolutions over >= {DEEP_CHANNELS} "
+                            f"channels: tried {rest[0].name} first" if rest else "")
+
+
+_MATMULS = {"torch.aten.mm": 0, "torch.aten.bmm": 0, "torch.aten.matmul": 0, "torch.aten.addmm": 1,
+            "torch.aten.linear": 0}
+
+
+def deep_convolution_share(source: bytes | memoryview) -> float:
+    """The share of the module's multiply-adds (torch-dialect convolutions and matmuls, dynamic dimensions as 1)
+    in dense convolutions over at least DEEP_CHANNELS input channels a group. 0.0 for a bundle that does not
+    parse or has no such ops."""
+    from iree.compiler import ir
+
+    context = ir.Context()
+    context.allow_unregistered_dialects = True
+    try:
+        module = ir.Module.parse(bytes(source), context)
+    except ir.MLIRError:
+        return 0.0
+    deep = total = 0
+
+    def shape(value: Any) -> tuple[int, ...] | None:
+        try:
+            dims = _argument(str(value.type))[0]
+        except ValueError:
+            return None
+        return tuple(1 if d is None else d for d in dims)
+
+    def visit(op: Any) -> None:
+        nonlocal deep, total
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    inner = inner.operation
+                    name = inner.name
+                    if name == "torch.aten.convolution" and len(inner.operands) > 1 and inner.results:
+                        weight, out = shape(inner.operands[1]), shape(inner.results[0])
+                        if weight and out and len(weight) == 4 and len(out) == 4:
+                            macs = int(np.prod(out)) * weight[1] * weight[2] * weight[3]
+                            total += macs
+                            if weight[2] * weight[3] > 1 and weight[1] >= DEEP_CHANNELS:
+                                deep += macs
+                    elif name in _MATMULS and len(inner.operands) > _MATMULS[name] and inner.results:
+                        left, out = shape(inner.operands[_MATMULS[name]]), shape(inner.results[0])
+                        if left and out:
+                            total += int(np.prod(out)) * left[-1]
+                    visit(inner)
+
+    visit(module.operation)
+    return deep / total if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -170,11 +243,13 @@ class Tuning:
     budget_s: float | None = None
     note: str = ""
     precision: str = "fp32"  # every candidate's, the reference's included
+    order: str = ""  # why the candidates were tried in their order (`plan`)
 
     def record(self) -> dict[str, Any]:
         return {"chosen": self.chosen.name, "flags": list(self.chosen.flags), "precision": self.precision,
                 "elapsed_s": round(self.elapsed_s, 3),
                 "budget_s": None if self.budget_s is None else round(self.budget_s, 3), "note": self.note,
+                "order": self.order,
                 "candidates": [t.record() for t in self.trials]}
 
 
@@ -220,17 +295,18 @@ def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]], 
 
 
 def tune(source: bytes | memoryview, build: Build, where: str, *,
-         options: list[Candidate] | None = None, precision: str = "fp32") -> tuple[Any, Tuning]:
-    """Build `source` in each candidate configuration (`options`, default `candidates(source)`), keep the fastest
-    whose results agree with the default's. `precision`: what `build` compiles every candidate in (the default
-    included, so the reference is in it too); it sets the tolerance (RTOL_BY_PRECISION). Returns what `build`
-    made for the chosen one, and the tuning."""
+         options: list[Candidate] | None = None, precision: str = "fp32", order: str = "") -> tuple[Any, Tuning]:
+    """Build `source` in each candidate configuration (`options` in their order, default `plan(source)`), keep
+    the fastest whose results agree with the default's. `precision`: what `build` compiles every candidate in (the
+    default included, so the reference is in it too); it sets the tolerance (RTOL_BY_PRECISION). `order`: why the
+    options are in their order, for the record. Returns what `build` made for the chosen one, and the tuning."""
     started = time.perf_counter()
-    options = candidates(source) if options is None else options
+    if options is None:
+        options, order = plan(source)
     first, rest = options[0], options[1:]
     kept, runner = build(first)  # a failure here is the specialization's own: let it raise
     plain_s = time.perf_counter() - started
-    tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))], precision=precision)
+    tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))], precision=precision, order=order)
     if not rest:
         tuning.note = "no convolution: one configuration"
         tuning.elapsed_s = plain_s
