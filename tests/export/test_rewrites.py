@@ -9,8 +9,9 @@ from onecopy import Runtime
 from onecopy.errors import InvalidArgument
 from onecopy.export import CompileSpec, export_program
 from onecopy.export.engine_ops import depthwise_nhwc
-from onecopy.export.rewrites import REWRITES, apply_rewrites, rewrite_depthwise_nhwc
-from onecopy.models.vision import mobilenet_v3_small
+import onecopy.export.rewrites as rewrites_module
+from onecopy.export.rewrites import apply_rewrites, rewrite_depthwise_nhwc, rewrite_nhwc, rewrite_stem_nhwc
+from onecopy.models.vision import mobilenet_v3_small, resnet18
 
 aten = torch.ops.aten
 
@@ -124,9 +125,9 @@ def test_a_dynamic_batch_is_left_as_it_is():
 
 
 def test_compile_spec_names_the_rewrites_it_knows():
-    assert CompileSpec().rewrites == ("depthwise_nhwc",)
+    assert CompileSpec().rewrites == ("depthwise_nhwc", "stem_nhwc")
     assert CompileSpec(rewrites=[]).rewrites == ()
-    with pytest.raises(InvalidArgument, match=r"unknown rewrite\(s\) 'nhwc'; known: depthwise_nhwc"):
+    with pytest.raises(InvalidArgument, match=r"unknown rewrite\(s\) 'nhwc'; known: depthwise_nhwc, stem_nhwc"):
         CompileSpec(rewrites=("nhwc",))
     with pytest.raises(InvalidArgument, match=r"write rewrites=\('depthwise_nhwc',\)"):
         CompileSpec(rewrites="depthwise_nhwc")
@@ -148,7 +149,7 @@ class DepthwiseBlock(torch.nn.Module):
 def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewrite(rewrites, packaging, tmp_path,
                                                                                    monkeypatch):
     applied = []
-    monkeypatch.setitem(REWRITES, "depthwise_nhwc", lambda gm: applied.append(rewrite_depthwise_nhwc(gm)))
+    monkeypatch.setattr(rewrites_module, "rewrite_nhwc", lambda gm, names: applied.append(rewrite_nhwc(gm, names)))
     torch.manual_seed(0)
     model = DepthwiseBlock().eval()
     x = torch.randn(1, 16, 20, 20)
@@ -164,3 +165,114 @@ def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewri
     with torch.no_grad():
         np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-5, atol=1e-5)
     assert applied == ([True] if rewrites else [])
+
+
+ALL = ("depthwise_nhwc", "stem_nhwc")
+
+
+@pytest.mark.parametrize(
+    "channels, kernel, stride, padding, dilation, bias",
+    [(3, 7, 2, 3, 1, False), (3, 5, 1, 2, 1, True), (8, 3, 2, 1, 1, True), (5, (5, 3), (1, 2), 0, 1, False),
+     (3, 5, 1, 4, 2, True)],
+)
+def test_a_stem_conv_becomes_one_matmul_over_its_nhwc_patches_with_the_same_result(
+        channels, kernel, stride, padding, dilation, bias):
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(channels, 16, kernel, stride, padding, dilation, bias=bias).eval()
+    x = torch.randn(2, channels, 19, 22)
+    ep = torch.export.export(conv, (x,)).run_decompositions()
+    assert rewrite_stem_nhwc(ep.graph_module)
+    assert aten.convolution.default not in targets(ep)
+    assert targets(ep).count(aten.mm.default) + targets(ep).count(aten.addmm.default) == 1
+    assert_same(conv, ep, x)
+
+
+@pytest.mark.parametrize("channels, kernel", [(3, 3), (16, 3), (3, 1)])
+def test_a_conv_with_a_small_patch_or_many_channels_is_not_a_stem(channels, kernel):
+    """MobileNet's 3x3 stem over RGB (27 values a patch) ran slower as a matmul than as tuning's convolution."""
+    conv = torch.nn.Conv2d(channels, 16, kernel, padding=kernel // 2).eval()
+    ep = torch.export.export(conv, (torch.randn(1, channels, 12, 12),)).run_decompositions()
+    assert not rewrite_stem_nhwc(ep.graph_module)
+    assert aten.convolution.default in targets(ep)
+
+
+class Stem(torch.nn.Module):
+    """ResNet's stem: 7x7 conv over RGB, batch norm, ReLU, 3x3 max pool; then a dense conv that reads NCHW."""
+
+    def __init__(self, ceil_mode: bool = False) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 7, 2, 3, bias=False)
+        self.bn = torch.nn.BatchNorm2d(16).eval()
+        self.pool = torch.nn.MaxPool2d(3, 2, 1, ceil_mode=ceil_mode)
+        self.dense = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.bn(self.conv(x))))
+        return self.dense(y), y
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_a_stem_and_its_max_pool_stay_nhwc_until_a_reader_needs_nchw(ceil_mode):
+    torch.manual_seed(0)
+    model = Stem(ceil_mode).eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = -torch.rand(1, 3, 29, 31) * 4  # all negative: ReLU's zeros meet the pool's padding, which must not win
+    ep = torch.export.export(model, (x,)).run_decompositions()
+    assert rewrite_stem_nhwc(ep.graph_module)
+    pooled = aten.max_pool2d_with_indices.default in targets(ep)
+    assert pooled == ceil_mode  # a ceil-mode pool reads a window past the edge: left as it is, read in NCHW
+    assert targets(ep).count(aten.convolution.default) == 1  # the dense conv
+    # The image in, the pooled (or activated) value out, and the weight read as [kh, kw, C, O] (a parameter's
+    # transpose: IREE computes it once, at load).
+    assert len(image_transposes(ep)) == 3
+    assert_same(model, ep, x)
+
+
+def test_resnet18_loses_its_stem_conv_and_max_pool_and_keeps_its_results():
+    model = resnet18()
+    x = torch.randn(1, 3, 224, 224)
+    ep = torch.export.export(model, (x,)).run_decompositions()
+    convs = targets(ep).count(aten.convolution.default)
+    apply_rewrites({"forward": ep}, {"forward": ALL})
+    assert targets(ep).count(aten.convolution.default) == convs - 1
+    assert aten.max_pool2d_with_indices.default not in targets(ep)
+    assert_same(model, ep, x)
+
+
+def test_both_rewrites_share_one_walk_and_leave_mobilenets_stem_a_convolution():
+    model = mobilenet_v3_small()
+    x = torch.randn(1, 3, 224, 224)
+    ep = torch.export.export(model, (x,)).run_decompositions()
+    apply_rewrites({"forward": ep}, {"forward": ALL})
+    assert targets(ep).count(aten.convolution.default) == 1 and len(image_transposes(ep)) == 2
+    assert_same(model, ep, x)
+
+
+def test_a_method_that_leaves_max_pool_on_the_host_keeps_its_stem():
+    torch.manual_seed(0)
+    model = Stem().eval()
+    x = torch.randn(1, 3, 29, 31)
+    methods = {name: torch.export.export(model, (x,)).run_decompositions() for name in ("kept", "rewritten")}
+    apply_rewrites(methods, {name: ("stem_nhwc",) for name in methods},
+                   {"kept": ("aten.max_pool2d_with_indices.default",)})
+    assert aten.max_pool2d_with_indices.default in targets(methods["kept"])
+    assert targets(methods["kept"]).count(aten.convolution.default) == 2
+    assert targets(methods["rewritten"]).count(aten.convolution.default) == 1
+
+
+@pytest.mark.parametrize("packaging", ["mlir", "vmfb"])
+def test_a_stem_through_iree_matches_torch(packaging, tmp_path):
+    torch.manual_seed(0)
+    model = Stem().eval()
+    x = torch.randn(1, 3, 32, 32)
+    program = export_program({"forward": torch.export.export(model, (x,))}, compile_spec=CompileSpec(packaging=packaging))
+    prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
+    try:
+        got = prog.load_method("forward").execute([x.numpy()])
+    finally:
+        prog.close()
+    with torch.no_grad():
+        for g, w in zip(got, model(x)):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
