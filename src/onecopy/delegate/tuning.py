@@ -78,9 +78,11 @@ CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_
 # Dense (kernel > 1x1, not depthwise) convolutions reading at least this many channels a group are "deep" here.
 DEEP_CHANNELS = 128
 
-# Operation names as they appear in a bundle (torch dialect from export, linalg if lowered further). MLIR bytecode
-# stores every operation name as a plain string, so a byte search finds them without parsing the module (~0.2 s).
-_CONVOLUTION_OPS = (b"aten.convolution", b"linalg.conv_", b"linalg.depthwise_conv")
+# Operation names as they appear in a bundle (torch dialect from export; linalg where an op is lowered further, as
+# the depthwise_nhwc rewrite's op is). MLIR bytecode stores each operation name as a plain string without its
+# dialect ("aten.convolution" of dialect torch, "depthwise_conv_2d_nhwc_hwc" of linalg), so a byte search finds them
+# in bytecode and text alike without parsing the module (~0.2 s).
+_CONVOLUTION_OPS = (b"aten.convolution", b"conv_1d", b"conv_2d", b"conv_3d")
 
 
 def has_convolution(source: bytes | memoryview) -> bool:
