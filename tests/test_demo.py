@@ -271,3 +271,20 @@ def test_ctrl_c_kills_the_children_and_removes_the_temporaries(tmp_path):
     assert all(not Path(f"/proc/{c}").exists() for c in children)
     assert list(tmp.iterdir()) == []
     assert _leftover_surfaces(process.pid) == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped raise, by design
+def test_a_ctrl_c_lost_on_the_way_is_raised_again_at_the_next_step():
+    """A KeyboardInterrupt raised inside a finalizer is printed and dropped by CPython: the demo must still stop."""
+    from onecopy.demo.run import _interrupts
+
+    class Dropping:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, inside the finalizer, and its raise is lost
+
+    with _interrupts() as check:
+        check()  # nothing received yet
+        Dropping()
+        with pytest.raises(KeyboardInterrupt):
+            check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own handler is back

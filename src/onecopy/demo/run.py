@@ -11,7 +11,7 @@ import platform
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +57,31 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _terminated_as_interrupt() -> Iterator[None]:
-    """SIGTERM ends the demo like Ctrl-C does: through the finally blocks that remove what it made."""
+def _interrupts() -> Iterator[Callable[[], None]]:
+    """Ctrl-C (SIGINT) and SIGTERM end the demo through the finally blocks that remove what it made: each raises
+    KeyboardInterrupt where the main thread is. Raised inside a finalizer (a `__del__`, a weakref callback), CPython
+    prints it and drops it, and the demo went on to the end (seen once in the test suite: the demo returned 0 after
+    a Ctrl-C). So each is also recorded, and the check this yields (called at every step) raises it again."""
+    received: list[int] = []
+
     def interrupt(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
 
+    def check() -> None:
+        if received:
+            raise KeyboardInterrupt
+
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: leave signals alone
-        yield
+        yield lambda: None
         return
     try:
-        yield
+        yield check
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=None) -> dict[str, Any]:
@@ -95,7 +106,7 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         "onnxruntime": "measured" if ort_ok else missing,
     }
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_terminated_as_interrupt())
+        check_interrupt = stack.enter_context(_interrupts())
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="onecopy-demo-")))
         # Files the engines leave in the temporary directory (ONNX Runtime a telemetry session file on import, torch
         # its compile caches) go into ours, in this process and its children.
@@ -109,7 +120,8 @@ def measure(config: DemoConfig = FULL, *, workdir: Path | None = None, console=N
         cache_dir = tmp / "cache"  # the demo's own cache: cold means cold, and the user's cache is left alone
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
         progress = stack.enter_context(Progress(*columns, console=console, transient=True))
-        steps = Steps(progress, 10 + len(config.ks) * (3 if ort_ok else 2) + len(METHOD_BATCH))
+        steps = Steps(progress, 10 + len(config.ks) * (3 if ort_ok else 2) + len(METHOD_BATCH),
+                      check_interrupt)
 
         steps.start("exporting the built-in model and two frame models")
         model = builtin_model()
