@@ -10,13 +10,16 @@ means and scales, residual adds, 1x1 convolutions as matmuls over channels); a v
 an op that needs it reads it. In a MobileNet, that is one transpose into the first depthwise block and one out of
 the last, around a network that is channels-last in between.
 
-`stem_nhwc`: an image network's stem, a dense convolution over the few channels of an image (ResNet's 7x7 over RGB),
-as one matmul over its NHWC patches (im2col), and max pooling as the maximum of shifted NHWC views, with the layout
-carried on as above. Why: the configuration tuning keeps for ResNet-18 (channels-last + convolution data tiling,
-onecopy.delegate.tuning) pads the stem's 3 input channels to the micro kernel's 16, and pools in NCHW; together 24%
-of its single-thread time (perf, Xeon). Measured, ResNet-18 B=1 on that configuration: 28.1 -> 25.5 ms (the stem
-alone 27.0, the pooling alone 27.1). Only for patches of at least `_STEM_PATCH` values: MobileNetV3's 3x3 stem
-(27 values) ran 19% slower as a matmul than as the convolution that tuning keeps for it (channels-last).
+`stem_nhwc` (off by default: asked for by name): an image network's stem, a dense convolution over the few channels
+of an image (ResNet's 7x7 over RGB), as one matmul over its NHWC patches (im2col), and max pooling as the maximum
+of shifted NHWC views, with the layout carried on as above. Why: the configuration tuning keeps for ResNet-18
+(channels-last + convolution data tiling, onecopy.delegate.tuning) pads the stem's 3 input channels to the micro
+kernel's 16, and pools in NCHW; together 24% of its single-thread time (perf, Xeon). Measured on a Xeon (AVX-512,
+AMX), ResNet-18 in that configuration: B=1 fp32 28.1 -> 25.7 ms (the stem alone 27.0, the pooling alone 27.1),
+but B=8 fp32 203 -> 229 ms (8 images' patches are 59 MB, written and read again) and B=1 bf16 49 -> 63 ms. So it
+is a B=1 fp32 latency option, not a default: a rewrite runs at export, before the batch and precision a load
+picks are known. Only for patches of at least `_STEM_PATCH` values: MobileNetV3's 3x3 stem (27 values) ran 19%
+slower as a matmul than as the convolution that tuning keeps for it (channels-last).
 
 When both are asked for, they run as one walk of the graph (`rewrite_nhwc`), so a layout made NHWC by one is
 carried on by the other.
@@ -327,7 +330,7 @@ def rewrite_stem_nhwc(gm: fx.GraphModule) -> bool:
 REWRITES: Mapping[str, Callable[[fx.GraphModule], bool]] = {
     "depthwise_nhwc": rewrite_depthwise_nhwc, "stem_nhwc": rewrite_stem_nhwc,
 }
-DEFAULT_REWRITES: tuple[str, ...] = ("depthwise_nhwc", "stem_nhwc")
+DEFAULT_REWRITES: tuple[str, ...] = ("depthwise_nhwc",)
 # The ops each rewrite replaces by others. A method whose Partitioner leaves one of them on the host (`skip_ops`)
 # is not rewritten: the user asked for that op, and after the rewrite it would no longer be there to skip.
 REPLACED_OPS: Mapping[str, frozenset[str]] = {
