@@ -24,8 +24,11 @@ onnxruntime = pytest.importorskip("onnxruntime", reason="the demo's peer rows ne
 def _demo(tmp: Path, *args: str) -> subprocess.Popen:
     tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp)}  # everything the demo makes must land here, and be gone at the end
+    # SIGINT as a terminal gives it: a test before this one may leave this process ignoring SIGINT (the child would
+    # inherit SIG_IGN, and rightly ignore a Ctrl-C).
     return subprocess.Popen([sys.executable, "-m", "onecopy.cli", "demo", "--quick", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _leftover_surfaces(pid: int) -> list[str]:
@@ -282,9 +285,27 @@ def test_a_ctrl_c_lost_on_the_way_is_raised_again_at_the_next_step():
         def __del__(self):
             os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, inside the finalizer, and its raise is lost
 
-    with _interrupts() as check:
-        check()  # nothing received yet
-        Dropping()
-        with pytest.raises(KeyboardInterrupt):
-            check()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own handler is back
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's Python has it
+    try:
+        with _interrupts() as check:
+            check()  # nothing received yet
+            Dropping()
+            with pytest.raises(KeyboardInterrupt):
+                check()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_demo_started_ignoring_sigint_keeps_ignoring_it():
+    """A background job (or a parent that ignores SIGINT) passes SIG_IGN on: Ctrl-C is not the demo's to take."""
+    from onecopy.demo.run import _interrupts
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _interrupts():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # SIGTERM still ends it cleanly
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -59,9 +59,10 @@ def _environ(name: str, value: str) -> Iterator[None]:
 @contextlib.contextmanager
 def _interrupts() -> Iterator[Callable[[], None]]:
     """Ctrl-C (SIGINT) and SIGTERM end the demo through the finally blocks that remove what it made: each raises
-    KeyboardInterrupt where the main thread is. Raised inside a finalizer (a `__del__`, a weakref callback), CPython
-    prints it and drops it, and the demo went on to the end (seen once in the test suite: the demo returned 0 after
-    a Ctrl-C). So each is also recorded, and the check this yields (called at every step) raises it again."""
+    KeyboardInterrupt where the main thread is. A SIGINT the demo was started ignoring (a background job, or a
+    parent that ignores it: the child inherits SIG_IGN, and Python then installs no handler) stays ignored. A raise
+    inside a finalizer (a `__del__`, a weakref callback) is printed and dropped by CPython, so each signal is also
+    recorded, and the check this yields (called at every step) raises it again."""
     received: list[int] = []
 
     def interrupt(signum, frame):
@@ -72,8 +73,9 @@ def _interrupts() -> Iterator[Callable[[], None]]:
         if received:
             raise KeyboardInterrupt
 
+    handled = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
     try:
-        previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: signal.signal(signum, interrupt) for signum in handled}
     except ValueError:  # not the main thread: leave signals alone
         yield lambda: None
         return
