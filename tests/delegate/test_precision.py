@@ -152,3 +152,6 @@ def test_a_model_of_nhwc_depthwise_convs_loads_in_bf16_without_im2col(tmp_path, 
     scale = float(np.abs(want).max())
     assert 0 < float(np.abs(results["bf16"] - want).max()) < 2e-2 * scale
     assert "--iree-global-opt-use-im2col-for-convs failed" in caplog.text
+    # Every tuning candidate fell back the same way; each load said so once.
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "im2col-for-convs failed" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage()[:100] for r in warned]

@@ -6,15 +6,43 @@ for this machine) both compile through here, so the flags and the data-tiling fa
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 
 from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError
 
-__all__ = ["compile_bundle", "compile_bundle_best"]
+__all__ = ["compile_bundle", "compile_bundle_best", "fallbacks_warned_once", "warn_fallback"]
 
 log = logging.getLogger("onecopy")
+
+# Within `fallbacks_warned_once`: the fallback warnings already logged there.
+_warned: ContextVar[set[str] | None] = ContextVar("onecopy_fallbacks_warned", default=None)
+
+
+@contextlib.contextmanager
+def fallbacks_warned_once() -> Iterator[None]:
+    """Within: each distinct fallback warning is logged once, repeats at debug level. Tuning compiles a module in
+    several configurations, and each fell back the same way: a bf16 MobileNet's first load logged ten warnings."""
+    token = _warned.set(set())
+    try:
+        yield
+    finally:
+        _warned.reset(token)
+
+
+def warn_fallback(message: str, *args: object) -> None:
+    """Log that a compile fell back to fewer flags (once per distinct text within `fallbacks_warned_once`)."""
+    text = message % args
+    seen = _warned.get()
+    if seen is not None and text in seen:
+        log.debug(text)
+        return
+    if seen is not None:
+        seen.add(text)
+    log.warning(text)
 
 
 def compile_bundle(
@@ -46,5 +74,5 @@ def compile_bundle_best(
     try:
         return compile_bundle(source, target, for_host=for_host, extra_flags=[*semantic_flags, *extra_flags]), True
     except DelegateError as e:
-        log.warning("%s: compiling for %s with data tiling failed (%s); compiling without it", where, target.name, e)
+        warn_fallback("%s: compiling for %s with data tiling failed (%s); compiling without it", where, target.name, e)
         return compile_bundle(source, target, for_host=for_host, data_tiling=False, extra_flags=semantic_flags), False

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from onecopy.delegate.compiler import compile_bundle, compile_bundle_best
+from onecopy.delegate.compiler import compile_bundle, compile_bundle_best, fallbacks_warned_once, warn_fallback
 from onecopy.delegate.engine import ENCODED_SCOPE, LoadedModel, hal_device, parameter_provider, vm_instance
 from onecopy.delegate.executors import calibrate_models
 from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS, FunctionSignature
@@ -118,8 +118,8 @@ def compile_with_encoder(
         fewer = without_droppable(semantic_flags)
         if fewer == tuple(semantic_flags):
             raise
-        log.warning("%s: compiling with %s failed (%s); compiling without them", where,
-                    " ".join(f for f in semantic_flags if f not in fewer), str(e).splitlines()[0][:200])
+        warn_fallback("%s: compiling with %s failed (%s); compiling without them", where,
+                      " ".join(f for f in semantic_flags if f not in fewer), str(e).splitlines()[0][:200])
         return _compile_with_encoder(source, target, for_host=for_host, where=where, with_encoder=with_encoder,
                                      scratch=scratch, flags=flags, fallback=fallback, semantic_flags=fewer)
 
@@ -230,7 +230,8 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
         return Specialization(compiled.module, _encode(compiled.encoder, parameters, target, where))
 
     started = time.perf_counter()
-    made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
+    with fallbacks_warned_once():  # every candidate of a tuning falls back the same way: say it once
+        made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
     if target.compute_unit == "cpu":
         try:
             found = signatures(source)
