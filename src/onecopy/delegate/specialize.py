@@ -255,7 +255,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     options, order = plan(source)
     if len(options) == 1:  # nothing to choose between: no model to load and time, the first load costs no more
         made = build(DEFAULT)
-        made.tuning = Tuning(DEFAULT, note="no convolution: one configuration", precision=precision).record()
+        made.tuning = Tuning(DEFAULT, note=order, precision=precision).record()  # plan's ONE_CONFIGURATION
         return made
     models: list[LoadedModel] = []
 

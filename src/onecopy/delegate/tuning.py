@@ -33,8 +33,8 @@ import numpy as np
 from onecopy.errors import DelegateError
 
 __all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CONV_DATA_TILING", "DEEP_CHANNELS",
-           "DEFAULT", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature", "Tuning", "candidates",
-           "deep_convolution_share", "has_convolution", "plan", "signatures", "tune"]
+           "DEFAULT", "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
+           "Tuning", "candidates", "deep_convolution_share", "has_convolution", "plan", "signatures", "tune"]
 
 log = logging.getLogger("onecopy")
 
@@ -57,13 +57,14 @@ class Candidate:
 
 
 DEFAULT = Candidate("default")
+ONE_CONFIGURATION = "no convolution: one configuration"  # why a module is not tuned
 CHANNELS_LAST = Candidate("channels-last", (
     "--iree-preprocessing-pass-pipeline="
     "builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
 ))
 CONV_DATA_TILING = Candidate("conv-data-tiling", ("--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution",))
 CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS_LAST.flags + CONV_DATA_TILING.flags)
-# In the order tried when dense convolutions over wide inputs do not carry most of the work (`candidates` puts
+# In the order tried when dense convolutions over wide inputs do not carry most of the work (`plan` puts
 # channels-last+conv-data-tiling first when they do). The budget often leaves room for one candidate only, so the
 # order is the guess. Measured on a Xeon with AVX-512, every candidate timed (ms):
 #                                       default  channels-last  cl+conv-data-tiling  conv-data-tiling
@@ -101,7 +102,7 @@ def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
     tiling right after the default when deep dense convolutions carry at least half of the multiply-adds
     (`deep_convolution_share`)."""
     if not has_convolution(source):
-        return [DEFAULT], "no convolution: one configuration"
+        return [DEFAULT], ONE_CONFIGURATION
     share = deep_convolution_share(source)
     first, rest = CANDIDATES[0], list(CANDIDATES[1:])
     if share >= 0.5:
@@ -118,13 +119,9 @@ def deep_convolution_share(source: bytes | memoryview) -> float:
     """The share of the module's multiply-adds (torch-dialect convolutions and matmuls, dynamic dimensions as 1)
     in dense convolutions over at least DEEP_CHANNELS input channels a group. 0.0 for a bundle that does not
     parse or has no such ops."""
-    from iree.compiler import ir
-
-    context = ir.Context()
-    context.allow_unregistered_dialects = True
     try:
-        module = ir.Module.parse(bytes(source), context)
-    except ir.MLIRError:
+        module = _parsed(source)
+    except ValueError:
         return 0.0
     deep = total = 0
 
@@ -185,17 +182,24 @@ def _argument(text: str) -> tuple[tuple[int | None, ...], str]:
     return shape, _DTYPES[element]
 
 
-def signatures(source: bytes | memoryview) -> list[Signature]:
-    """The public functions of an MLIR bundle (bytecode or text) and their argument types. Raises ValueError when
-    an argument is not a tensor numpy can make."""
+def _parsed(source: bytes | memoryview) -> Any:
+    """An MLIR bundle (bytecode or text) as a module. Raises ValueError when it does not parse."""
     from iree.compiler import ir
 
     context = ir.Context()
     context.allow_unregistered_dialects = True  # the torch dialect is not registered in the compiler's Python API
     try:
-        module = ir.Module.parse(bytes(source), context)
+        return ir.Module.parse(bytes(source), context)
     except ir.MLIRError as e:
         raise ValueError(f"the bundle does not parse: {e}") from e
+
+
+def signatures(source: bytes | memoryview) -> list[Signature]:
+    """The public functions of an MLIR bundle (bytecode or text) and their argument types. Raises ValueError when
+    it does not parse or an argument is not a tensor numpy can make."""
+    from iree.compiler import ir
+
+    module = _parsed(source)
     found = []
     for op in module.body.operations:
         op = op.operation
@@ -310,7 +314,7 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
     plain_s = time.perf_counter() - started
     tuning = Tuning(first, [Trial(first, build_s=round(plain_s, 3))], precision=precision, order=order)
     if not rest:
-        tuning.note = "no convolution: one configuration"
+        tuning.note = ONE_CONFIGURATION
         tuning.elapsed_s = plain_s
         return kept, tuning
     budget = BUDGET_FACTOR * plain_s
