@@ -31,9 +31,11 @@ class CompileSpec:
             load (or runs on a registered host kernel). On by default; off only to save a compile where the
             program is known to compile (`vmfb` always compiles at export).
         rewrites: graph rewrites applied to each method before lowering (onecopy.export.rewrites), in order:
-            "depthwise_nhwc" (depthwise convolutions as channels-last multiply-adds), "stem_nhwc" (asked for by
-            name: an image network's stem convolution as a channels-last matmul, its max pooling channels-last;
-            faster at B=1 in fp32, slower at B=8 or in bf16). `rewrites=()` turns them off.
+            "space_to_depth" (a strided convolution over few channels, an image's stem, as a stride-1
+            convolution over the image's blocks stacked on channels), "depthwise_nhwc" (depthwise convolutions as
+            channels-last multiply-adds), "stem_nhwc" (asked for by name: an image network's stem convolution as
+            a channels-last matmul, its max pooling channels-last; faster at B=1 in fp32, slower at B=8 or in
+            bf16). `rewrites=()` turns them off.
         delegates: which engines the program carries for each method: "iree" (always, first) and "openvino" (an
             alternative OpenVINO IR of each method that IREE runs whole, over the same weights store; needs
             `pip install 'onecopy[openvino]'` at export, and at a load with `prefer="latency"`). With "openvino",
