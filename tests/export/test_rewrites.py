@@ -10,8 +10,8 @@ from onecopy.errors import InvalidArgument
 from onecopy.export import CompileSpec, export_program
 from onecopy.export.engine_ops import depthwise_nhwc
 import onecopy.export.rewrites as rewrites_module
-from onecopy.export.rewrites import (apply_rewrites, rewrite_depthwise_nhwc, rewrite_nhwc, rewrite_space_to_depth,
-                                     rewrite_stem_nhwc)
+from onecopy.export.rewrites import (apply_rewrites, rewrite_depthwise_nhwc, rewrite_max_pool_nhwc, rewrite_nhwc,
+                                     rewrite_space_to_depth, rewrite_stem_nhwc)
 from onecopy.models.vision import mobilenet_v3_small, resnet18
 
 aten = torch.ops.aten
@@ -126,10 +126,10 @@ def test_a_dynamic_batch_is_left_as_it_is():
 
 
 def test_compile_spec_names_the_rewrites_it_knows():
-    assert CompileSpec().rewrites == ("space_to_depth", "depthwise_nhwc")  # stem_nhwc is asked for by name
+    assert CompileSpec().rewrites == ("space_to_depth", "depthwise_nhwc", "max_pool_nhwc")  # stem_nhwc: by name
     assert CompileSpec(rewrites=[]).rewrites == ()
     with pytest.raises(InvalidArgument,
-                       match=r"unknown rewrite\(s\) 'nhwc'; known: depthwise_nhwc, stem_nhwc, space_to_depth"):
+                       match=r"unknown rewrite\(s\) 'nhwc'; known: depthwise_nhwc, stem_nhwc, space_to_depth, max_pool_nhwc"):
         CompileSpec(rewrites=("nhwc",))
     with pytest.raises(InvalidArgument, match=r"write rewrites=\('depthwise_nhwc',\)"):
         CompileSpec(rewrites="depthwise_nhwc")
@@ -352,9 +352,11 @@ def test_a_method_that_leaves_convolutions_on_the_host_keeps_its_strided_stem():
     assert list(convolutions(methods["rewritten"])[0].args[3]) == [1, 1]
 
 
-@pytest.mark.parametrize("rewrites", [("space_to_depth",), ("space_to_depth", "depthwise_nhwc", "stem_nhwc")])
+@pytest.mark.parametrize("rewrites", [("space_to_depth",), ("space_to_depth", "depthwise_nhwc", "max_pool_nhwc"),
+                                      ("space_to_depth", "depthwise_nhwc", "stem_nhwc")])
 def test_a_space_to_depth_stem_through_iree_matches_torch(rewrites, tmp_path):
-    """Alone, and with stem_nhwc after it (which then takes the stride-1 conv over blocks as its matmul)."""
+    """Alone, with the default rewrites, and with stem_nhwc after it (which then takes the stride-1 conv over blocks
+    as its matmul)."""
     torch.manual_seed(0)
     model = Stem().eval()
     x = torch.randn(2, 3, 32, 30)
@@ -367,3 +369,51 @@ def test_a_space_to_depth_stem_through_iree_matches_torch(rewrites, tmp_path):
     with torch.no_grad():
         for g, w in zip(got, model(x)):
             np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation", [(3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 1), (3, 2, 1, 2),
+                                                                ((3, 2), (2, 1), (1, 0), 1)])
+def test_max_pooling_becomes_the_maximum_of_shifted_nhwc_views_with_the_same_result(kernel, stride, padding, dilation):
+    torch.manual_seed(0)
+    pool = torch.nn.MaxPool2d(kernel, stride, padding, dilation).eval()
+    x = -torch.rand(2, 8, 17, 20) * 4  # all negative: the padding (-inf) must never win
+    ep = torch.export.export(pool, (x,)).run_decompositions()
+    assert rewrite_max_pool_nhwc(ep.graph_module)
+    assert aten.max_pool2d_with_indices.default not in targets(ep) and aten.maximum.default in targets(ep)
+    assert len(image_transposes(ep)) == 2  # in and out
+    assert_same(pool, ep, x)
+
+
+class PoolIndices(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+
+
+@pytest.mark.parametrize("model", [torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True), PoolIndices()],
+                         ids=["ceil-mode", "indices-read"])
+def test_a_ceil_mode_pool_or_one_whose_indices_are_read_is_left_as_it_is(model):
+    ep = torch.export.export(model.eval(), (torch.randn(1, 8, 15, 15),)).run_decompositions()
+    assert not rewrite_max_pool_nhwc(ep.graph_module)
+    assert aten.max_pool2d_with_indices.default in targets(ep) and not image_transposes(ep)
+
+
+def test_resnet18_by_default_pools_in_nhwc_between_one_transpose_in_and_one_out():
+    """The pooled value feeds layer1's first convolution and its residual add: both read it in NCHW, through the
+    same transpose back; the stem's convolution stays a convolution (space_to_depth's)."""
+    model = resnet18()
+    x = torch.randn(1, 3, 224, 224)
+    ep = torch.export.export(model, (x,)).run_decompositions()
+    apply_rewrites({"forward": ep}, {"forward": CompileSpec().rewrites})
+    assert aten.max_pool2d_with_indices.default not in targets(ep)
+    assert len(image_transposes(ep)) == 2
+    assert_same(model, ep, x)
+
+
+def test_a_method_that_leaves_max_pool_on_the_host_keeps_it():
+    model = torch.nn.MaxPool2d(3, 2, 1).eval()
+    x = torch.randn(1, 8, 16, 16)
+    methods = {name: torch.export.export(model, (x,)).run_decompositions() for name in ("kept", "rewritten")}
+    apply_rewrites(methods, {name: ("max_pool_nhwc",) for name in methods},
+                   {"kept": ("aten.max_pool2d_with_indices.default",)})
+    assert aten.max_pool2d_with_indices.default in targets(methods["kept"])
+    assert aten.max_pool2d_with_indices.default not in targets(methods["rewritten"])

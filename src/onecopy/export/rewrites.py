@@ -6,6 +6,7 @@ onecopy.export.space_to_depth), which run by default, and applying them to a pro
   convolution over the image's blocks stacked on channels, so conv data tiling pads no channels.
 - `depthwise_nhwc` (default on): depthwise convolutions as one channels-last op (or shifted multiply-adds), the
   layout carried through the network around them.
+- `max_pool_nhwc` (default on): max pooling as the maximum of shifted channels-last views.
 - `stem_nhwc` (asked for by name): an image network's stem as a channels-last matmul, its max pooling
   channels-last; faster at B=1 in fp32 only.
 
@@ -21,18 +22,19 @@ from typing import Any
 
 import torch.fx as fx
 
-from onecopy.export.nhwc import rewrite_depthwise_nhwc, rewrite_nhwc, rewrite_stem_nhwc
+from onecopy.export.nhwc import rewrite_depthwise_nhwc, rewrite_max_pool_nhwc, rewrite_nhwc, rewrite_stem_nhwc
 from onecopy.export.space_to_depth import rewrite_space_to_depth
 
-__all__ = ["REWRITES", "DEFAULT_REWRITES", "REPLACED_OPS", "apply_rewrites", "rewrite_depthwise_nhwc", "rewrite_nhwc",
-           "rewrite_space_to_depth", "rewrite_stem_nhwc"]
+__all__ = ["REWRITES", "DEFAULT_REWRITES", "REPLACED_OPS", "apply_rewrites", "rewrite_depthwise_nhwc",
+           "rewrite_max_pool_nhwc", "rewrite_nhwc", "rewrite_space_to_depth", "rewrite_stem_nhwc"]
 
 log = logging.getLogger("onecopy")
 
 REWRITES: Mapping[str, Callable[[fx.GraphModule], bool]] = {
     "depthwise_nhwc": rewrite_depthwise_nhwc, "stem_nhwc": rewrite_stem_nhwc, "space_to_depth": rewrite_space_to_depth,
+    "max_pool_nhwc": rewrite_max_pool_nhwc,
 }
-DEFAULT_REWRITES: tuple[str, ...] = ("space_to_depth", "depthwise_nhwc")
+DEFAULT_REWRITES: tuple[str, ...] = ("space_to_depth", "depthwise_nhwc", "max_pool_nhwc")
 # The ops each rewrite replaces by others. A method whose Partitioner leaves one of them on the host (`skip_ops`)
 # is not rewritten: the user asked for that op, and after the rewrite it would no longer be there to skip.
 REPLACED_OPS: Mapping[str, frozenset[str]] = {
@@ -40,8 +42,11 @@ REPLACED_OPS: Mapping[str, frozenset[str]] = {
     "stem_nhwc": frozenset({"aten.convolution.default", "aten._native_batch_norm_legit_no_training.default",
                             "aten.max_pool2d_with_indices.default"}),
     "space_to_depth": frozenset({"aten.convolution.default"}),
+    # The pool, and what the walk carries its NHWC layout into (batch norms, 1x1 convolutions).
+    "max_pool_nhwc": frozenset({"aten.convolution.default", "aten._native_batch_norm_legit_no_training.default",
+                                "aten.max_pool2d_with_indices.default"}),
 }
-_NHWC = ("depthwise_nhwc", "stem_nhwc")
+_NHWC = ("depthwise_nhwc", "stem_nhwc", "max_pool_nhwc")
 
 
 def apply_rewrites(methods: Mapping[str, Any], rewrites: Mapping[str, Sequence[str]],
