@@ -11,7 +11,7 @@ onecopy.export.space_to_depth), which run by default, and applying them to a pro
   channels-last; faster at B=1 in fp32 only.
 
 Every rewrite keeps the method's results (tests/export/test_rewrites.py checks each against torch on random inputs)
-and leaves shapes it cannot prove static alone.
+and leaves shapes it cannot prove static alone (space_to_depth: all dimensions but the batch).
 """
 
 from __future__ import annotations
