@@ -39,6 +39,21 @@ def assert_same(model, ep, *args):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def assert_iree_matches_torch(model, x, spec, tmp_path, tolerance=1e-4):
+    """`model` exported with `spec`, loaded through IREE (a cache in `tmp_path`), run on `x`: torch's results."""
+    program = export_program({"forward": torch.export.export(model, (x,))}, compile_spec=spec)
+    prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
+    try:
+        got = prog.load_method("forward").execute([x.numpy()])
+    finally:
+        prog.close()
+    with torch.no_grad():
+        want = model(x)
+    for g, w in zip(got, want if isinstance(want, tuple) else (want,), strict=True):
+        np.testing.assert_allclose(g, w.numpy(), rtol=tolerance, atol=tolerance)
+    return program
+
+
 @pytest.mark.parametrize(
     "kernel, stride, padding, dilation, bias",
     [(3, 1, 1, 1, True), (3, 2, 1, 1, False), (5, 1, 2, 1, True), (5, 2, 2, 1, False), (3, 1, 0, 1, True),
@@ -156,17 +171,9 @@ def test_a_depthwise_block_through_iree_matches_torch_with_and_without_the_rewri
     torch.manual_seed(0)
     model = DepthwiseBlock().eval()
     x = torch.randn(1, 16, 20, 20)
-    program = export_program({"forward": torch.export.export(model, (x,))},
-                             compile_spec=CompileSpec(rewrites=rewrites, packaging=packaging))
+    program = assert_iree_matches_torch(model, x, CompileSpec(rewrites=rewrites, packaging=packaging), tmp_path, 1e-5)
     if packaging == "mlir":  # the op reached the bundle as the one linalg op it carries
         assert (b"depthwise_conv_2d_nhwc_hwc" in program.to_bytes()) == bool(rewrites)
-    prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
-    try:
-        (got,) = prog.load_method("forward").execute([x.numpy()])
-    finally:
-        prog.close()
-    with torch.no_grad():
-        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-5, atol=1e-5)
     assert applied == ([True] if rewrites else [])
 
 
@@ -268,18 +275,8 @@ def test_a_method_that_leaves_max_pool_on_the_host_keeps_its_stem():
 @pytest.mark.parametrize("packaging", ["mlir", "vmfb"])
 def test_a_stem_through_iree_matches_torch(packaging, tmp_path):
     torch.manual_seed(0)
-    model = Stem().eval()
-    x = torch.randn(1, 3, 32, 32)
-    spec = CompileSpec(packaging=packaging, rewrites=ALL)
-    program = export_program({"forward": torch.export.export(model, (x,))}, compile_spec=spec)
-    prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
-    try:
-        got = prog.load_method("forward").execute([x.numpy()])
-    finally:
-        prog.close()
-    with torch.no_grad():
-        for g, w in zip(got, model(x)):
-            np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
+    assert_iree_matches_torch(Stem().eval(), torch.randn(1, 3, 32, 32), CompileSpec(packaging=packaging, rewrites=ALL),
+                              tmp_path)
 
 
 @pytest.mark.parametrize("kernel, stride, padding, dilation", [(3, 2, 1, 1), (2, 2, 0, 1), (3, 1, 1, 1), (3, 2, 1, 2),

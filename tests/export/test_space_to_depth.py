@@ -2,16 +2,14 @@
 stride-1 convolution over the input's blocks, with the same results as torch on random inputs; what it would not
 help is left alone."""
 
-import numpy as np
 import pytest
 import torch
 
-from onecopy import Runtime
-from onecopy.export import CompileSpec, export_program
+from onecopy.export import CompileSpec
 from onecopy.export.rewrites import apply_rewrites, rewrite_space_to_depth
 from onecopy.models.vision import mobilenet_v3_small, resnet18
 
-from tests.export.test_rewrites import Stem, assert_same
+from tests.export.test_rewrites import Stem, assert_iree_matches_torch, assert_same
 
 aten = torch.ops.aten
 
@@ -93,14 +91,4 @@ def test_a_space_to_depth_stem_through_iree_matches_torch(rewrites, tmp_path):
     """Alone, with the default rewrites, and with stem_nhwc after it (which then takes the stride-1 conv over blocks
     as its matmul)."""
     torch.manual_seed(0)
-    model = Stem().eval()
-    x = torch.randn(2, 3, 32, 30)
-    program = export_program({"forward": torch.export.export(model, (x,))}, compile_spec=CompileSpec(rewrites=rewrites))
-    prog = Runtime(cache_dir=tmp_path / "cache").load_program(program.to_bytes())
-    try:
-        got = prog.load_method("forward").execute([x.numpy()])
-    finally:
-        prog.close()
-    with torch.no_grad():
-        for g, w in zip(got, model(x)):
-            np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-4)
+    assert_iree_matches_torch(Stem().eval(), torch.randn(2, 3, 32, 30), CompileSpec(rewrites=rewrites), tmp_path)
