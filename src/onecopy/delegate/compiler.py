@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
+from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, narrow_row_tiles
 from onecopy.delegate.targets import Target, compiler_flags
 from onecopy.errors import DelegateError
 
@@ -55,11 +56,32 @@ def compile_bundle(
 
     flags = compiler_flags(target, for_host=for_host, data_tiling=data_tiling) + list(extra_flags)
     try:
+        if data_tiling and CONV_DATA_TILING_FLAG in flags:
+            return _compile_conv_tiles(source, flags, target)
         return compile_str(bytes(source), input_type="auto", extra_args=flags)
     except CompilerToolError as e:
         detail = str(e).strip().splitlines()
         summary = next((line for line in detail if "error:" in line), detail[0] if detail else "unknown error")
         raise DelegateError(f"IREE could not compile the bundle for {target.name}: {summary.strip()}") from e
+
+
+def _compile_conv_tiles(source: bytes | memoryview, flags: list[str], target: Target) -> bytes:
+    """Convolution data tiling in two phases, IREE's vector tiles of convolutions over narrow rows set between
+    them (onecopy.delegate.conv_tiles). Where the edited configuration does not compile, the one-phase compile."""
+    from iree.compiler import CompilerToolError, compile_str
+
+    configured = compile_str(bytes(source), input_type="auto",
+                             extra_args=[*flags, "--compile-to=executable-configurations"])
+    text, changed = narrow_row_tiles(configured.decode())
+    try:
+        vmfb = compile_str(text.encode(), input_type="auto", extra_args=[*flags, "--compile-from=executable-configurations"])
+    except CompilerToolError as e:
+        log.debug("%s: the two-phase compile failed (%s); in one phase, with IREE's own tiles", target.name,
+                  str(e).strip().splitlines()[:1])
+        return compile_str(bytes(source), input_type="auto", extra_args=flags)
+    if changed:
+        log.debug("%s: vector tiles set for convolutions over narrow rows (%d lines)", target.name, changed)
+    return vmfb
 
 
 def compile_bundle_best(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,8 @@ CHANNELS_LAST = Candidate("channels-last", (
 # on IREE's generic matmul code (a 49x4608 by 4608x512 matmul took 7.9 ms instead of 2.4). All three families:
 # ResNet-18 (space_to_depth stem) in channels-last + conv data tiling, Xeon: B=1 24.6 -> 24.1 ms (its matmuls are
 # small: 1x1 downsampling convolutions and the classifier), B=8 unchanged.
+# With convolutions among them, the compile also sets the vector tiles of convolutions over narrow rows
+# (onecopy.delegate.conv_tiles, keyed on CONV_DATA_TILING_FLAG).
 _DATA_TILED_OPS = "--iree-dispatch-creation-experimental-set-data-tiling-ops"
 CONV_DATA_TILING = Candidate("conv-data-tiling", tuple(f"{_DATA_TILED_OPS}={family}"
                                                        for family in ("matmul", "scaled_matmul", "convolution")))

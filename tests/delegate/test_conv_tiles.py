@@ -1,0 +1,70 @@
+"""Vector tiles for data-tiled convolutions over narrow rows (onecopy.delegate.conv_tiles): set where IREE's
+1 x 16 tile would waste half a row's columns or more, left alone elsewhere, and the code computes what torch does."""
+
+import logging
+
+import numpy as np
+import torch
+
+from onecopy.delegate.conv_tiles import narrow_row_tiles
+
+
+def dispatch(name: str) -> str:
+    """What IREE prints for a data-tiled convolution dispatch at `--compile-to=executable-configurations`."""
+    return f"""        func.func @main$async_dispatch_3_{name}_f32() attributes {{translation_info = #x}} {{
+          %11 = linalg.fill {{lowering_config = #iree_cpu.lowering_config<vector_common_parallel = [1, 1, 1, 16, 16]>}}
+          %12 = linalg.generic {{lowering_config = #iree_cpu.lowering_config<distribution = [0, 4, 1, 0, 0, 0, 0, 0, 0], vector_common_parallel = [1, 1, 1, 16, 0, 0, 0, 16, 0], vector_reduction = [0, 0, 0, 0, 1, 1, 1, 0, 16]>}}
+          %19 = iree_linalg_ext.map_store {{lowering_config = #iree_cpu.lowering_config<vector_common_parallel = [1, 1, 1, 16, 16]>}}
+        }}"""
+
+
+def test_only_convolutions_over_rows_of_eight_or_fewer_columns_get_two_rows_of_eight():
+    narrow, wide, one_row = dispatch("conv_7x7x512x3x3x512"), dispatch("conv_14x14x256x3x3x256"), dispatch("conv_1x7x64x1x3x64")
+    text, changed = narrow_row_tiles("\n".join([wide, narrow, one_row]))
+    assert changed == 3
+    edited = text.split("\n")
+    assert "\n".join(edited[:5]) == wide and "\n".join(edited[10:]) == one_row  # left exactly as they were
+    assert "distribution = [0, 4, 2, 0, 0, 0, 0, 0, 0], vector_common_parallel = [1, 1, 2, 8, 0, 0, 0, 16, 0]" in edited[7]
+    assert edited[6].count("[1, 1, 2, 8, 16]") == 1 and edited[8].count("[1, 1, 2, 8, 16]") == 1
+
+
+def test_a_configuration_it_does_not_know_is_left_as_it_is():
+    unknown = dispatch("conv_7x7x512x3x3x512").replace("[1, 1, 1, 16, 0, 0, 0, 16, 0]", "[1, 1, 1, 8, 0, 0, 0, 16, 0]")
+    text, changed = narrow_row_tiles(unknown.replace("[1, 1, 1, 16, 16]", "[1, 1, 1, 8, 16]"))
+    assert changed == 0 and "2, 8" not in text
+
+
+class NarrowRows(torch.nn.Module):
+    """A stride-2 conv down to 7x7 pixels, then two 3x3 convs over them (ResNet's last stage, narrower)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(32, 64, 3, 2, 1), torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 3, 1, 1), torch.nn.ReLU(),
+            torch.nn.Conv2d(64, 64, 3, 1, 1),
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_a_network_over_7x7_pixels_compiles_with_the_narrow_tiles_and_matches_torch(caplog):
+    """Compiled as the channels-last + conv data tiling candidate is: in two phases, the tiles set (the log says
+    so), and the code computes what torch does."""
+    import iree.runtime as ireert
+    import iree.turbine.aot as aot
+
+    from onecopy.delegate.compiler import compile_bundle
+    from onecopy.delegate.targets import host_cpu_target
+    from onecopy.delegate.tuning import CHANNELS_LAST_DATA_TILING
+
+    torch.manual_seed(0)
+    model = NarrowRows().eval()
+    x = torch.randn(1, 32, 14, 14)
+    source = str(aot.export(model, args=(x,)).mlir_module).encode()
+    with caplog.at_level(logging.DEBUG, logger="onecopy"):
+        vmfb = compile_bundle(source, host_cpu_target(), for_host=True, extra_flags=CHANNELS_LAST_DATA_TILING.flags)
+    assert "vector tiles set for convolutions over narrow rows" in caplog.text
+    got = ireert.load_vm_flatbuffer(vmfb, driver="local-sync").main(x.numpy()).to_host()
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-4, atol=1e-4)
