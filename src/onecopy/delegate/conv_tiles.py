@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CONV_DATA_TILING_FLAG", "narrow_row_tiles"]
+__all__ = ["CONV_DATA_TILING_FLAG", "DATA_TILED_OPS", "narrow_row_tiles"]
 
-# The flag that puts convolutions under data tiling (onecopy.delegate.tuning.CONV_DATA_TILING).
-CONV_DATA_TILING_FLAG = "--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution"
+# The flag naming the op families data tiling annotates, and the one that puts convolutions among them
+# (onecopy.delegate.tuning.CONV_DATA_TILING builds its flags from these).
+DATA_TILED_OPS = "--iree-dispatch-creation-experimental-set-data-tiling-ops"
+CONV_DATA_TILING_FLAG = f"{DATA_TILED_OPS}=convolution"
 
 _ROW = 16  # the output columns IREE's tile spans
 _CONV = re.compile(r"func\.func @\S*?_conv_(\d+)x(\d+)x\d+x\d+x\d+x\d+_f32\(")

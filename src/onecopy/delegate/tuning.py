@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, DATA_TILED_OPS
 from onecopy.errors import DelegateError
 
 __all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CONV_DATA_TILING", "DEEP_CHANNELS",
@@ -69,9 +70,8 @@ CHANNELS_LAST = Candidate("channels-last", (
 # small: 1x1 downsampling convolutions and the classifier), B=8 unchanged.
 # With convolutions among them, the compile also sets the vector tiles of convolutions over narrow rows
 # (onecopy.delegate.conv_tiles, keyed on CONV_DATA_TILING_FLAG).
-_DATA_TILED_OPS = "--iree-dispatch-creation-experimental-set-data-tiling-ops"
-CONV_DATA_TILING = Candidate("conv-data-tiling", tuple(f"{_DATA_TILED_OPS}={family}"
-                                                       for family in ("matmul", "scaled_matmul", "convolution")))
+CONV_DATA_TILING = Candidate("conv-data-tiling", (f"{DATA_TILED_OPS}=matmul", f"{DATA_TILED_OPS}=scaled_matmul",
+                                                  CONV_DATA_TILING_FLAG))
 CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS_LAST.flags + CONV_DATA_TILING.flags)
 # In the order tried when dense convolutions over wide inputs do not carry most of the work (`plan` puts
 # channels-last+conv-data-tiling first when they do). The budget often leaves room for one candidate only, so the

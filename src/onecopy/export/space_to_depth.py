@@ -62,17 +62,22 @@ def _space_to_depth(r: GraphEdit, node: fx.Node) -> fx.Node | None:
         xp = r.emit(node, aten.slice.Tensor, xp, 3, 0, cols)
     if bottom < 0:
         xp = r.emit(node, aten.slice.Tensor, xp, 2, 0, rows)
-    blocks = r.emit(node, aten.view.default, r.contiguous(node, xp), [-1, channels, rows // s, s, cols // s, s])
-    xs = r.emit(node, aten.view.default,
-                r.contiguous(node, r.emit(node, aten.permute.default, blocks, [0, 1, 3, 5, 2, 4])),
-                [-1, channels * s * s, rows // s, cols // s])
     wp = w if (k2h * s, k2w * s) == (kh, kw) else r.emit(
         node, aten.constant_pad_nd.default, w, [0, k2w * s - kw, 0, k2h * s - kh], 0.0)
-    wb = r.emit(node, aten.view.default, wp, [out_channels, channels, k2h, s, k2w, s])
-    ws = r.emit(node, aten.view.default,
-                r.contiguous(node, r.emit(node, aten.permute.default, wb, [0, 1, 3, 5, 2, 4])),
-                [out_channels, channels * s * s, k2h, k2w])
+    # The input and the kernel regrouped the same way, so that block channel (c, p, q) meets kernel tap (c, p, q).
+    xs = _blocks(r, node, r.contiguous(node, xp), -1, channels, s, rows // s, cols // s)
+    ws = _blocks(r, node, wp, out_channels, channels, s, k2h, k2w)
     return r.emit(node, aten.convolution.default, xs, ws, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+
+def _blocks(r: GraphEdit, node: fx.Node, value: fx.Node, lead: int, channels: int, s: int, height: int,
+            width: int) -> fx.Node:
+    """`value` [lead, channels, height * s, width * s] as [lead, channels * s * s, height, width]: each s x s block
+    of a channel stacked on channels, channel c * s * s + p * s + q holding the block's pixel (p, q)."""
+    split = r.emit(node, aten.view.default, value, [lead, channels, height, s, width, s])
+    return r.emit(node, aten.view.default,
+                  r.contiguous(node, r.emit(node, aten.permute.default, split, [0, 1, 3, 5, 2, 4])),
+                  [lead, channels * s * s, height, width])
 
 
 def rewrite_space_to_depth(gm: fx.GraphModule) -> bool:
