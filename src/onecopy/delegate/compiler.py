@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 
 from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, narrow_row_tiles
 from onecopy.delegate.targets import Target, compiler_flags
+from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG, whole_row_transposes
 from onecopy.errors import DelegateError
 
 __all__ = ["compile_bundle", "compile_bundle_best", "fallbacks_warned_once", "warn_fallback"]
@@ -55,9 +56,10 @@ def compile_bundle(
     from iree.compiler import CompilerToolError, compile_str
 
     flags = compiler_flags(target, for_host=for_host, data_tiling=data_tiling) + list(extra_flags)
+    edits = _configuration_edits(flags, data_tiling=data_tiling)
     try:
-        if data_tiling and CONV_DATA_TILING_FLAG in flags:
-            return _compile_conv_tiles(source, flags, target)
+        if edits:
+            return _compile_edited(source, flags, target, edits)
         return compile_str(bytes(source), input_type="auto", extra_args=flags)
     except CompilerToolError as e:
         detail = str(e).strip().splitlines()
@@ -65,22 +67,40 @@ def compile_bundle(
         raise DelegateError(f"IREE could not compile the bundle for {target.name}: {summary.strip()}") from e
 
 
-def _compile_conv_tiles(source: bytes | memoryview, flags: list[str], target: Target) -> bytes:
-    """Convolution data tiling in two phases, IREE's vector tiles of convolutions over narrow rows set between
-    them (onecopy.delegate.conv_tiles). Where the edited configuration does not compile, the one-phase compile."""
+# What the two-phase compile sets in IREE's executable configurations, and the log line that says it did.
+_Edit = tuple[Callable[[str], tuple[str, int]], str]
+_NARROW_ROWS: _Edit = (narrow_row_tiles, "vector tiles set for convolutions over narrow rows")
+_WHOLE_ROWS: _Edit = (whole_row_transposes, "NCHW -> NHWC transposes distributed over whole rows")
+
+
+def _configuration_edits(flags: Sequence[str], *, data_tiling: bool) -> list[_Edit]:
+    """The configuration edits that apply to a compile with `flags`: each fixes a heuristic of IREE's for dispatches
+    only those flags create (data-tiled convolutions; the input transposes of channels-last convolutions)."""
+    return [edit for edit, applies in ((_NARROW_ROWS, data_tiling and CONV_DATA_TILING_FLAG in flags),
+                                       (_WHOLE_ROWS, CHANNELS_LAST_FLAG in flags)) if applies]
+
+
+def _compile_edited(source: bytes | memoryview, flags: list[str], target: Target, edits: list[_Edit]) -> bytes:
+    """Compile in two phases, to IREE's executable configurations and on from them, `edits` applied between
+    (onecopy.delegate.conv_tiles, onecopy.delegate.transpose_tiles). Where the edited configuration does not
+    compile, the one-phase compile, with IREE's own configurations."""
     from iree.compiler import CompilerToolError, compile_str
 
     configured = compile_str(bytes(source), input_type="auto",
                              extra_args=[*flags, "--compile-to=executable-configurations"])
-    text, changed = narrow_row_tiles(configured.decode())
+    text, changes = configured.decode(), []
+    for edit, what in edits:
+        text, changed = edit(text)
+        if changed:
+            changes.append(f"{what} ({changed} lines)")
     try:
         vmfb = compile_str(text.encode(), input_type="auto", extra_args=[*flags, "--compile-from=executable-configurations"])
     except CompilerToolError as e:
-        log.debug("%s: the two-phase compile failed (%s); in one phase, with IREE's own tiles", target.name,
+        log.debug("%s: the two-phase compile failed (%s); in one phase, with IREE's own configurations", target.name,
                   str(e).strip().splitlines()[:1])
         return compile_str(bytes(source), input_type="auto", extra_args=flags)
-    if changed:
-        log.debug("%s: vector tiles set for convolutions over narrow rows (%d lines)", target.name, changed)
+    for change in changes:
+        log.debug("%s: %s", target.name, change)
     return vmfb
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, DATA_TILED_OPS
+from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
 __all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CONV_DATA_TILING", "DEEP_CHANNELS",
@@ -59,10 +60,9 @@ class Candidate:
 
 DEFAULT = Candidate("default")
 ONE_CONFIGURATION = "no convolution: one configuration"  # why a module is not tuned
-CHANNELS_LAST = Candidate("channels-last", (
-    "--iree-preprocessing-pass-pipeline="
-    "builtin.module(util.func(iree-preprocessing-convert-conv-to-channels-last))",
-))
+# Its compile also distributes the input image's NCHW -> NHWC transposes over whole rows
+# (onecopy.delegate.transpose_tiles, keyed on this flag).
+CHANNELS_LAST = Candidate("channels-last", (CHANNELS_LAST_FLAG,))
 # The flag names the op families data tiling annotates, and naming replaces its default set {matmul, scaled_matmul}:
 # `=convolution` alone left every matmul (1x1 convolutions in channels-last, the classifier) without data tiling,
 # on IREE's generic matmul code (a 49x4608 by 4608x512 matmul took 7.9 ms instead of 2.4). All three families:
