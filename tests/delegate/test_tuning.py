@@ -129,7 +129,7 @@ def test_deep_dense_convolutions_try_conv_data_tiling_with_channels_last_first(t
     (meta,) = entry_meta(tmp_path / "cache")
     record = meta["tuning"]
     assert [c["name"] for c in record["candidates"]] == [
-        "default", "channels-last+conv-data-tiling", "channels-last", "conv-data-tiling"]
+        "default", "channels-last+conv-data-tiling", "channels-last", "conv-data-tiling", "channels-last+pad-fusion"]
     # 3x3x128 multiply-adds per output against 3x3x3 in the first conv: 1152 / (1152 + 27) of the work.
     assert record["order"].startswith("98% of the multiply-adds in dense convolutions over >= 128 channels: "
                                       "tried channels-last+conv-data-tiling first")
@@ -255,7 +255,13 @@ def test_a_linalg_convolution_is_found_in_bytecode_as_in_text():
         module.operation.write_bytecode(buffer)
     assert b"linalg.depthwise" not in buffer.getvalue()  # why the search cannot name the dialect
     assert has_convolution(text.encode()) and has_convolution(buffer.getvalue())
-    assert [c.name for c in tuning.candidates(buffer.getvalue())] == [c.name for c in tuning.CANDIDATES]
+    assert tuning.has_depthwise_nhwc(text.encode()) and tuning.has_depthwise_nhwc(buffer.getvalue())
+    # The depthwise_nhwc rewrite's convolutions read NHWC pads: channels-last with pad fusion is tried first.
+    options, order = tuning.plan(buffer.getvalue())
+    assert [c.name for c in options] == ["default", "channels-last+pad-fusion", "channels-last",
+                                         "channels-last+conv-data-tiling", "conv-data-tiling"]
+    assert order == ("0% of the multiply-adds in dense convolutions over >= 128 channels and depthwise_nhwc "
+                     "convolutions: tried channels-last+pad-fusion first")
 
 
 MATMUL = """

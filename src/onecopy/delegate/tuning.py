@@ -34,9 +34,11 @@ from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, DATA_TILED_OPS
 from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
-__all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CONV_DATA_TILING", "DEEP_CHANNELS",
+__all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CHANNELS_LAST_PAD_FUSION",
+           "CONV_DATA_TILING", "DEEP_CHANNELS",
            "DEFAULT", "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
-           "Tuning", "candidates", "deep_convolution_share", "has_convolution", "plan", "signatures", "tune"]
+           "Tuning", "candidates", "deep_convolution_share", "has_convolution", "has_depthwise_nhwc",
+           "plan", "signatures", "tune"]
 
 log = logging.getLogger("onecopy")
 
@@ -73,6 +75,17 @@ CHANNELS_LAST = Candidate("channels-last", (CHANNELS_LAST_FLAG,))
 CONV_DATA_TILING = Candidate("conv-data-tiling", (f"{DATA_TILED_OPS}=matmul", f"{DATA_TILED_OPS}=scaled_matmul",
                                                   CONV_DATA_TILING_FLAG))
 CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS_LAST.flags + CONV_DATA_TILING.flags)
+# Channels-last with each padding fused into the operation reading it: no dispatch copying a padded activation into a
+# larger buffer (IREE's `slow_memcpy`), at the cost of bounds checks in the reader's loads. Pays where pads feed
+# depthwise convolutions (the depthwise_nhwc rewrite pads in NHWC), costs where they feed dense ones. Measured on a
+# Xeon (AVX-512), iree-benchmark-module, ms a call:
+#                                   channels-last  +pad-fusion
+#   MobileNetV3-small B=1               3.13          2.94
+#   MobileNetV3-small B=8               16.6          15.1      (copies 1.43 ms gone, convolutions 1.0 ms slower)
+#   ResNet-18 B=1                       44.9          49.5
+# With conv data tiling it does not compile (a dispatch needs more than IREE's 32 KB of stack).
+CHANNELS_LAST_PAD_FUSION = Candidate("channels-last+pad-fusion", CHANNELS_LAST.flags + (
+    "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",))
 # In the order tried when dense convolutions over wide inputs do not carry most of the work (`plan` puts
 # channels-last+conv-data-tiling first when they do). The budget often leaves room for one candidate only, so the
 # order is the guess. Measured on a Xeon with AVX-512, every candidate timed (ms):
@@ -84,7 +97,8 @@ CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS
 #   two 1x1 convs (64/128 ch), 56x56      0.77       0.85            0.94               2.74
 # Conv data tiling pays where the convolutions are deep (ResNet-18's 128-512 channel 3x3 convs at 28x28 to 7x7, its
 # micro kernel's tiles full) and costs where they are wide and shallow, or pointwise (a 1x1 conv 12.7x slower alone).
-CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_TILING, CONV_DATA_TILING)
+CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_TILING, CONV_DATA_TILING,
+                                     CHANNELS_LAST_PAD_FUSION)
 # Dense (kernel > 1x1, not depthwise) convolutions reading at least this many channels a group are "deep" here.
 DEEP_CHANNELS = 128
 
@@ -100,6 +114,12 @@ def has_convolution(source: bytes | memoryview) -> bool:
     return any(op in data for op in _CONVOLUTION_OPS)
 
 
+def has_depthwise_nhwc(source: bytes | memoryview) -> bool:
+    """Whether the bundle holds the depthwise_nhwc rewrite's convolutions (linalg's, found as has_convolution finds
+    them)."""
+    return b"depthwise_conv_2d_nhwc" in bytes(source)
+
+
 def candidates(source: bytes | memoryview) -> list[Candidate]:
     """The configurations worth trying for `source`, in the order tried: see `plan`."""
     return plan(source)[0]
@@ -107,17 +127,21 @@ def candidates(source: bytes | memoryview) -> list[Candidate]:
 
 def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
     """The configurations worth trying for `source`, in the order tried, and why that order. Every candidate
-    when it holds a convolution (what the candidates change), else the default alone; channels-last+conv-data-
-    tiling right after the default when deep dense convolutions carry at least half of the multiply-adds
-    (`deep_convolution_share`)."""
+    when it holds a convolution (what the candidates change), else the default alone; right after the default,
+    channels-last+conv-data-tiling when deep dense convolutions carry at least half of the multiply-adds
+    (`deep_convolution_share`), else channels-last+pad-fusion when the depthwise_nhwc rewrite's convolutions are
+    there (`has_depthwise_nhwc`)."""
     if not has_convolution(source):
         return [DEFAULT], ONE_CONFIGURATION
     share = deep_convolution_share(source)
     first, rest = CANDIDATES[0], list(CANDIDATES[1:])
-    if share >= 0.5:
-        rest.sort(key=lambda c: c.name != CHANNELS_LAST_DATA_TILING.name)  # stable: the others keep their order
+    lead = (CHANNELS_LAST_DATA_TILING if share >= 0.5 else
+            CHANNELS_LAST_PAD_FUSION if has_depthwise_nhwc(source) else None)
+    if lead is not None:
+        rest.sort(key=lambda c: c.name != lead.name)  # stable: the others keep their order
+    depthwise = " and depthwise_nhwc convolutions" if lead is CHANNELS_LAST_PAD_FUSION else ""
     return [first, *rest], (f"{share:.0%} of the multiply-adds in dense convolutions over >= {DEEP_CHANNELS} "
-                            f"channels: tried {rest[0].name} first" if rest else "")
+                            f"channels{depthwise}: tried {rest[0].name} first" if rest else "")
 
 
 _MATMULS = {"torch.aten.mm": 0, "torch.aten.bmm": 0, "torch.aten.matmul": 0, "torch.aten.addmm": 1,
