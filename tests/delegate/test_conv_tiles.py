@@ -66,24 +66,29 @@ class NarrowRows(torch.nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_a_network_over_7x7_pixels_compiles_with_the_narrow_tiles_and_matches_torch(caplog, batch):
-    """Compiled as the channels-last + conv data tiling candidate is: in two phases, the tiles set (the log says
-    so), and the code computes what torch does."""
+def assert_compiles_edited_and_matches_torch(model, x, candidate, edited: str, caplog) -> None:
+    """`model` compiled for this CPU as tuning's `candidate` is (in two phases): the log says the configuration edit
+    `edited` was made, and the code computes what torch does."""
     import iree.runtime as ireert
     from iree.turbine import aot
 
     from onecopy.delegate.compiler import compile_bundle
     from onecopy.delegate.targets import host_cpu_target
-    from onecopy.delegate.tuning import CHANNELS_LAST_DATA_TILING
 
-    torch.manual_seed(0)
-    model = NarrowRows().eval()
-    x = torch.randn(batch, 32, 14, 14)
     source = str(aot.export(model, args=(x,)).mlir_module).encode()
     with caplog.at_level(logging.DEBUG, logger="onecopy"):
-        vmfb = compile_bundle(source, host_cpu_target(), for_host=True, extra_flags=CHANNELS_LAST_DATA_TILING.flags)
-    assert "vector tiles set for convolutions over narrow rows" in caplog.text
+        vmfb = compile_bundle(source, host_cpu_target(), for_host=True, extra_flags=candidate.flags)
+    assert edited in caplog.text
     got = ireert.load_vm_flatbuffer(vmfb, driver="local-sync").main(x.numpy()).to_host()
     with torch.no_grad():
         np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_network_over_7x7_pixels_compiles_with_the_narrow_tiles_and_matches_torch(caplog, batch):
+    from onecopy.delegate.tuning import CHANNELS_LAST_DATA_TILING
+
+    torch.manual_seed(0)
+    assert_compiles_edited_and_matches_torch(NarrowRows().eval(), torch.randn(batch, 32, 14, 14),
+                                             CHANNELS_LAST_DATA_TILING,
+                                             "vector tiles set for convolutions over narrow rows", caplog)

@@ -1,13 +1,11 @@
 """Workgroup tiles for an image's NCHW -> NHWC transpose (onecopy.delegate.transpose_tiles): whole rows, the tile's
 size kept; anything else left as it was; and the code computes what torch does."""
 
-import logging
-
-import numpy as np
 import pytest
 import torch
 
 from onecopy.delegate.transpose_tiles import whole_row_transposes
+from tests.delegate.test_conv_tiles import assert_compiles_edited_and_matches_torch
 
 NCHW_TO_NHWC = "affine_map<(d0, d1, d2, d3) -> (d0, d1, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d0, d2, d3, d1)>]"
 CHW_TO_HWC = "affine_map<(d0, d1, d2) -> (d0, d1, d2)>, affine_map<(d0, d1, d2) -> (d1, d2, d0)>]"
@@ -55,22 +53,8 @@ class Stem(torch.nn.Module):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_channels_last_compile_sets_whole_rows_and_matches_torch(caplog, batch):
-    """Compiled as the channels-last candidate is: in two phases, the input's transpose edited (the log says so),
-    and the code computes what torch does."""
-    import iree.runtime as ireert
-    from iree.turbine import aot
-
-    from onecopy.delegate.compiler import compile_bundle
-    from onecopy.delegate.targets import host_cpu_target
     from onecopy.delegate.tuning import CHANNELS_LAST
 
     torch.manual_seed(0)
-    model = Stem().eval()
-    x = torch.randn(batch, 3, 64, 96)
-    source = str(aot.export(model, args=(x,)).mlir_module).encode()
-    with caplog.at_level(logging.DEBUG, logger="onecopy"):
-        vmfb = compile_bundle(source, host_cpu_target(), for_host=True, extra_flags=CHANNELS_LAST.flags)
-    assert "NCHW -> NHWC transposes distributed over whole rows" in caplog.text
-    got = ireert.load_vm_flatbuffer(vmfb, driver="local-sync").main(x.numpy()).to_host()
-    with torch.no_grad():
-        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-4, atol=1e-4)
+    assert_compiles_edited_and_matches_torch(Stem().eval(), torch.randn(batch, 3, 64, 96), CHANNELS_LAST,
+                                             "NCHW -> NHWC transposes distributed over whole rows", caplog)
