@@ -8,7 +8,6 @@ import torch
 from onecopy.export import CompileSpec
 from onecopy.export.rewrites import apply_rewrites, rewrite_space_to_depth
 from onecopy.models.vision import mobilenet_v3_small, resnet18
-
 from tests.export.test_rewrites import Stem, assert_iree_matches_torch, assert_same
 
 aten = torch.ops.aten
@@ -25,7 +24,9 @@ def convolutions(ep):
      (4, 5, 2, 0, False, (21, 18)),  # RGBA, no padding: the padded input is cropped to the blocks read
      (1, 4, 4, 0, True, (16, 16)),  # a patchify stem: the kernel is one block, a 1x1 convolution remains
      (1, 8, 4, 2, False, (30, 29)),
-     (3, 2, 2, 0, True, (10, 11))],
+     (3, 2, 2, 0, True, (10, 11)),
+     (3, 5, 2, 1, True, (17, 20)),  # the grid shifted onto the image's: one block of padding before
+     (2, 4, 2, 1, False, (15, 16))],  # shifting would cost a block of taps: the image padded by a pixel instead
 )
 def test_a_strided_conv_over_few_channels_becomes_a_stride_one_conv_over_blocks_with_the_same_result(
         channels, kernel, stride, padding, bias, size):
@@ -38,6 +39,20 @@ def test_a_strided_conv_over_few_channels_becomes_a_stride_one_conv_over_blocks_
     blocks = -(-kernel // stride)
     assert list(new.args[3]) == [1, 1] and list(new.args[4]) == [0, 0]
     assert tuple(new.args[1].meta["val"].shape) == (8, channels * stride * stride, blocks, blocks)
+    assert_same(conv, ep, x)
+
+
+def test_resnets_stem_reads_the_image_as_it_is_and_pads_the_blocks():
+    """7x7 stride 2 padding 3: one zero tap in front of the kernel puts the block grid on the image's own, so the
+    image goes into the block transpose unpadded (IREE then distributes that transpose well) and the padding, 2
+    blocks before and 1 after, is added to the 12-channel blocks."""
+    conv = torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False).eval()
+    x = torch.randn(1, 3, 224, 224)
+    ep = torch.export.export(conv, (x,)).run_decompositions()
+    assert rewrite_space_to_depth(ep.graph_module)
+    pads = {tuple(n.args[0].meta["val"].shape): list(n.args[1]) for n in ep.graph.nodes
+            if n.target is aten.constant_pad_nd.default}
+    assert pads == {(64, 3, 7, 7): [1, 0, 1, 0], (1, 12, 112, 112): [2, 1, 2, 1]}
     assert_same(conv, ep, x)
 
 
