@@ -1,9 +1,6 @@
 """The compiler's two-phase compile (onecopy.delegate.compiler): which flags call for which configuration edit, and
 an edit IREE cannot compile falls back to IREE's own configurations instead of failing the load."""
 
-import logging
-
-import numpy as np
 import torch
 
 from onecopy.delegate import compiler
@@ -13,6 +10,7 @@ from onecopy.delegate.tuning import (
     CONV_DATA_TILING,
     DEFAULT,
 )
+from tests.delegate.test_conv_tiles import assert_compiles_edited_and_matches_torch
 from tests.delegate.test_transpose_tiles import Stem
 
 
@@ -28,21 +26,11 @@ def test_each_edit_applies_to_the_flags_that_create_its_dispatches():
 
 
 def test_an_edit_iree_cannot_compile_falls_back_to_the_one_phase_compile(monkeypatch, caplog):
-    import iree.runtime as ireert
-    from iree.turbine import aot
-
-    from onecopy.delegate.targets import host_cpu_target
-
     def breaks(configuration: str) -> tuple[str, int]:  # an edit gone wrong: text IREE does not parse
         return configuration.replace("func.func @", "func.func %", 1), 1
 
     monkeypatch.setattr(compiler, "_WHOLE_ROWS", (breaks, "a broken edit"))
     torch.manual_seed(0)
-    model, x = Stem().eval(), torch.randn(1, 3, 32, 48)
-    source = str(aot.export(model, args=(x,)).mlir_module).encode()
-    with caplog.at_level(logging.DEBUG, logger="onecopy"):
-        vmfb = compiler.compile_bundle(source, host_cpu_target(), for_host=True, extra_flags=CHANNELS_LAST.flags)
-    assert "the two-phase compile failed" in caplog.text and "a broken edit" not in caplog.text
-    got = ireert.load_vm_flatbuffer(vmfb, driver="local-sync").main(x.numpy()).to_host()
-    with torch.no_grad():
-        np.testing.assert_allclose(got, model(x).numpy(), rtol=1e-4, atol=1e-4)
+    assert_compiles_edited_and_matches_torch(Stem().eval(), torch.randn(1, 3, 32, 48), CHANNELS_LAST,
+                                             "the two-phase compile failed", caplog)
+    assert "a broken edit" not in caplog.text  # the edit's change is logged only when its compile succeeds

@@ -57,10 +57,9 @@ def _space_to_depth(r: GraphEdit, node: fx.Node) -> fx.Node | None:
             or (rows.taps * s) * (cols.taps * s) > _KERNEL_GROWTH * kh * kw):
         return None
     # The image to whole blocks (padded at its start where the grid is not the image's own, cut or padded at its end).
-    xp = x
-    if (rows.front, rows.back, cols.front, cols.back) != (0, 0, 0, 0):
-        xp = r.emit(node, aten.constant_pad_nd.default, xp,
-                    [cols.front, max(0, cols.back), rows.front, max(0, rows.back)], 0.0)
+    xp, pads = x, [cols.front, max(0, cols.back), rows.front, max(0, rows.back)]
+    if any(pads):  # (a crop alone pads nothing)
+        xp = r.emit(node, aten.constant_pad_nd.default, xp, pads, 0.0)
     if cols.back < 0:
         xp = r.emit(node, aten.slice.Tensor, xp, 3, 0, s * cols.blocks)
     if rows.back < 0:
