@@ -142,7 +142,7 @@ def test_a_dynamic_batch_is_left_as_it_is():
 
 
 def test_compile_spec_names_the_rewrites_it_knows():
-    assert CompileSpec().rewrites == ("space_to_depth", "depthwise_nhwc", "max_pool_nhwc")  # stem_nhwc: by name
+    assert CompileSpec().rewrites == ("space_to_depth", "depthwise_nhwc", "max_pool_nhwc", "split_softmax")  # stem_nhwc: by name
     assert CompileSpec(rewrites=[]).rewrites == ()
     with pytest.raises(InvalidArgument,
                        match=r"unknown rewrite\(s\) 'nhwc'; known: depthwise_nhwc, stem_nhwc, space_to_depth, max_pool_nhwc"):

@@ -34,7 +34,8 @@ class CompileSpec:
             "space_to_depth" (a strided convolution over few channels, an image's stem, as a stride-1
             convolution over the image's blocks stacked on channels), "depthwise_nhwc" (depthwise convolutions as
             channels-last multiply-adds), "max_pool_nhwc" (max pooling as the maximum of shifted channels-last
-            views), "stem_nhwc" (asked for by name: an image network's stem convolution as
+            views), "split_softmax" (a softmax, attention's too, as max, sum of exponentials and a scale by the
+            reciprocal), "stem_nhwc" (asked for by name: an image network's stem convolution as
             a channels-last matmul, its max pooling channels-last; faster at B=1 in fp32, slower at B=8 or in
             bf16). `rewrites=()` turns them off.
         delegates: which engines the program carries for each method: "iree" (always, first) and "openvino" (an

@@ -26,7 +26,7 @@ from onecopy.export.method_plan import DelegatePartition, plan_method
 from onecopy.export.openvino import add_openvino_alternatives
 from onecopy.export.parameters import ParameterTable
 from onecopy.export.partitioner import Partitioner
-from onecopy.export.rewrites import apply_rewrites
+from onecopy.export.rewrites import apply_rewrites, decomposition_table
 from onecopy.export.state import collect_states, state_groups
 from onecopy.program import ProgramFile
 
@@ -146,7 +146,8 @@ def export_program(
     methods = {name: fold_batch_norms(ep, name) if _folds(specs[name], partitioners[name]) else ep
                for name, ep in methods.items()}
     # Lower from core ATen, as ExecuTorch's to_edge does: raw exports hold ops IREE cannot legalize.
-    decomposed = {name: ep.run_decompositions() for name, ep in methods.items()}
+    decomposed = {name: ep.run_decompositions(decomposition_table(name, specs[name].rewrites, partitioners[name].skip_ops))
+                  for name, ep in methods.items()}
     apply_rewrites(decomposed, {name: spec.rewrites for name, spec in specs.items()},
                    {name: p.skip_ops for name, p in partitioners.items()})
     on_host: dict[str, set[str]] = {name: set() for name in methods}

@@ -4,6 +4,7 @@ for shapes and dtypes, the source location for error messages). The tool every g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,23 @@ class GraphEdit:
         if node.meta["val"].is_contiguous():
             return node
         return self.emit(origin, torch.ops.aten.clone.default, node, memory_format=torch.contiguous_format)
+
+    def replace_each(self, rewrite: Callable[[GraphEdit, fx.Node], fx.Node | None]) -> bool:
+        """Replace every op node for which `rewrite(self, node)` emits a replacement (None: left as it is), the
+        replacement taking the node's metadata but its value; then `finish`. Whether anything changed; a graph
+        without fake values is left alone."""
+        if self.fake_mode is None:
+            return False
+        changed = False
+        for node in list(self.graph.nodes):
+            if node.op == "call_function" and (y := rewrite(self, node)) is not None:
+                y.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                node.replace_all_uses_with(y)
+                self.graph.erase_node(node)
+                changed = True
+        if changed:
+            self.finish()
+        return changed
 
     def finish(self) -> None:
         """Drop what no longer has readers, check the graph and regenerate its code."""

@@ -128,18 +128,4 @@ def _blocks(r: GraphEdit, node: fx.Node, value: fx.Node, lead: int, channels: in
 def rewrite_space_to_depth(gm: fx.GraphModule) -> bool:
     """Strided convolutions over few channels (image stems) as stride-1 convolutions over space-to-depth blocks.
     Edits `gm` in place; returns whether it changed anything."""
-    r = GraphEdit(gm)
-    if r.fake_mode is None:
-        return False
-    changed = False
-    for node in list(r.graph.nodes):
-        if node.op == "call_function":
-            y = _space_to_depth(r, node)
-            if y is not None:
-                y.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-                node.replace_all_uses_with(y)
-                r.graph.erase_node(node)
-                changed = True
-    if changed:
-        r.finish()
-    return changed
+    return GraphEdit(gm).replace_each(_space_to_depth)
