@@ -162,6 +162,49 @@ def test_a_module_without_convolution_compiles_one_configuration(small_program_p
     assert meta["tuning"]["chosen"] == "default" and "no convolution" in meta["tuning"]["note"]
 
 
+class Attention(torch.nn.Module):
+    """scaled_dot_product_attention over projected inputs: batch matmuls (activations on both sides), no conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 16)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_module_with_batch_matmuls_and_no_convolution_tries_no_ukernels(tmp_path, builds):
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 8, 32)
+    path = export_program({"forward": torch.export.export(model, (x,))}).save(tmp_path / "attention.onecopy")
+    program, forward = load(path, tmp_path / "cache")
+    (got,) = forward.execute([x.numpy()])
+    program.close()
+    np.testing.assert_allclose(got, model(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    assert builds == [(), tuning.NO_UKERNELS.flags]
+    (meta,) = entry_meta(tmp_path / "cache")
+    record = meta["tuning"]
+    assert record["order"] == tuning.BATCH_MATMULS
+    assert [c["name"] for c in record["candidates"]] == ["default", "no-ukernels"]
+    assert all(c["latency_ms"] > 0 and c["error"] is None for c in record["candidates"])
+    assert record["chosen"] in ("default", "no-ukernels")
+
+
+def test_batch_matmuls_are_found_in_the_bundle_matmuls_alone_are_not():
+    text = """
+func.func @main(%q: !torch.vtensor<[8,4,16],f32>, %k: !torch.vtensor<[8,16,4],f32>) -> !torch.vtensor<[8,4,4],f32> {
+  %0 = torch.aten.bmm %q, %k : !torch.vtensor<[8,4,16],f32>, !torch.vtensor<[8,16,4],f32> -> !torch.vtensor<[8,4,4],f32>
+  return %0 : !torch.vtensor<[8,4,4],f32>
+}"""
+    assert tuning.has_batch_matmul(text.encode())
+    options, order = tuning.plan(text.encode())
+    assert options == [DEFAULT, tuning.NO_UKERNELS] and order == tuning.BATCH_MATMULS
+    mm = text.replace("torch.aten.bmm", "torch.aten.mm")
+    assert not tuning.has_batch_matmul(mm.encode())
+    assert tuning.plan(mm.encode()) == ([DEFAULT], tuning.ONE_CONFIGURATION)
+
+
 WRONG = "wrong-but-fast"
 
 
@@ -200,6 +243,34 @@ def test_candidates_past_the_budget_are_skipped_and_say_so(conv_program, tmp_pat
     assert meta["tuning"]["chosen"] == "default"
     assert [c["error"] for c in meta["tuning"]["candidates"][1:]] == ["skipped: the tuning budget was spent"] * (
         len(tuning.CANDIDATES) - 1)
+
+
+def test_no_more_than_two_candidates_are_held_at_once(conv_program, conv_model, tmp_path, monkeypatch):
+    """A candidate out of the running is closed before the next is built: an LLM's encoded weights are its size
+    again per candidate held."""
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)  # every candidate is tried
+    live, most = set(), [0]
+    real = specialize_module.LoadedModel
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if "(tuning " in args[3]:
+                live.add(id(self))
+                most[0] = max(most[0], len(live))
+
+        def close(self):
+            live.discard(id(self))
+            super().close()
+
+    monkeypatch.setattr(specialize_module, "LoadedModel", Counted)
+    program, forward = load(conv_program, tmp_path)
+    (y,) = forward.execute([X])
+    program.close()
+    (meta,) = entry_meta(tmp_path)
+    assert len(meta["tuning"]["candidates"]) == len(tuning.CANDIDATES) > 2
+    assert most[0] == 2 and not live
+    np.testing.assert_allclose(y, conv_model(torch.from_numpy(X)).detach().numpy(), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")

@@ -36,9 +36,9 @@ def _driver(context: InitContext, target: Target) -> str:
 
 
 def tunes(context: InitContext, manifest: Manifest) -> bool:
-    """Whether specialization tries several configurations (onecopy.delegate.tuning). Not for a module holding
-    state: timing it would need its state served too, and such modules (LLMs) hold no convolution to tune."""
-    return bool(context.backend_options.get("tune", True)) and not manifest.states
+    """Whether specialization tries several configurations (onecopy.delegate.tuning): unless the backend option
+    `tune` is False. A module holding state (an LLM) is tuned too, its state served zeros as at calibration."""
+    return bool(context.backend_options.get("tune", True))
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,8 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
 
     started = time.perf_counter()
     with fallbacks_warned_once():  # every candidate of a tuning falls back the same way: say it once
-        made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
+        made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision,
+                            state_zeros=state_zeros)
     if target.compute_unit == "cpu":
         try:
             found = signatures(source)
@@ -249,7 +250,8 @@ def _budget(started: float) -> float:
 
 
 def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization], parameters: Mapping[str, memoryview],
-                 target: Target, where: str, *, tune: bool, precision: str) -> Specialization:
+                 target: Target, where: str, *, tune: bool, precision: str,
+                 state_zeros: Mapping[str, int] | None = None) -> Specialization:
     if not tune:
         return build(DEFAULT)
     options, order = plan(source)
@@ -257,13 +259,14 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
         made = build(DEFAULT)
         made.tuning = Tuning(DEFAULT, note=order, precision=precision).record()  # plan's ONE_CONFIGURATION
         return made
-    models: list[LoadedModel] = []
+    models: dict[int, LoadedModel] = {}  # by id() of the Specialization each was loaded from
 
     def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
         made = build(candidate)
         encoded = {name: memoryview(array) for name, array in made.encoded.items()}
-        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
-        models.append(model)
+        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded,
+                            state_zeros=state_zeros)
+        models[id(made)] = model
         functions: dict[str, Any] = {}
 
         def run(name: str, arrays: list[np.ndarray], results: int) -> list[np.ndarray]:
@@ -274,10 +277,17 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
 
         return made, run
 
+    def release(made: Specialization) -> None:  # out of the running: its model and encoded weights go now
+        model = models.pop(id(made), None)
+        if model is not None:
+            model.close()
+        made.encoded.clear()
+
     try:
-        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision, order=order)
+        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision, order=order,
+                               release=release)
     finally:
-        for model in models:
+        for model in models.values():
             model.close()
     chosen.tuning = tuning.record()
     return chosen

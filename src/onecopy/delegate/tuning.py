@@ -2,10 +2,12 @@
 
 No single set of compiler flags is fastest for every model on CPU (measured, see docs/DESIGN "CPU speed by model
 family"): data tiling of convolutions takes a ResNet-18 from 7.6x ONNX Runtime to 2.2x but makes a pointwise
-1x1 convolution 12.7x slower; the channels-last preprocessing pass helps dense 3x3 convolutions. So when a
-module holds convolutions, specialization builds each candidate, runs every public function of it on the same
-random inputs, checks the results against those of today's configuration (the reference) and keeps the fastest.
-A module without convolutions has one candidate: its first load costs what it did without tuning.
+1x1 convolution 12.7x slower; the channels-last preprocessing pass helps dense 3x3 convolutions; IREE's matmul
+microkernel is slower than its generated code for attention's batch matmuls on AVX-512. So when a module holds
+convolutions, or batch matmuls (`plan`), specialization builds each candidate, runs every public function of it
+(not the state helpers) on the same random inputs, checks the results against those of today's configuration (the
+reference) and keeps the fastest. Any other module has one candidate: its first load costs what it did without
+tuning.
 
 Shapes: each function's argument types come from the bundle's MLIR signature. A dynamic dimension (`?`) takes
 size 1, the B=1 (or one-token) call a device makes most; were 1 outside a symbol's range, the reference call
@@ -31,14 +33,15 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, DATA_TILED_OPS
+from onecopy.delegate.manifest import STATE_FUNCTIONS
 from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
-__all__ = ["BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING", "CHANNELS_LAST_PAD_FUSION",
-           "CONV_DATA_TILING", "DEEP_CHANNELS",
-           "DEFAULT", "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
-           "Tuning", "candidates", "deep_convolution_share", "has_convolution", "has_depthwise_nhwc",
-           "plan", "signatures", "tune"]
+__all__ = ["BATCH_MATMULS", "BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING",
+           "CHANNELS_LAST_PAD_FUSION", "CONV_DATA_TILING", "DEEP_CHANNELS", "DEFAULT", "NO_UKERNELS",
+           "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
+           "Tuning", "candidates", "deep_convolution_share", "has_batch_matmul", "has_convolution",
+           "has_depthwise_nhwc", "plan", "signatures", "tune"]
 
 log = logging.getLogger("onecopy")
 
@@ -62,6 +65,7 @@ class Candidate:
 
 DEFAULT = Candidate("default")
 ONE_CONFIGURATION = "no convolution: one configuration"  # why a module is not tuned
+BATCH_MATMULS = "batch matmuls and no convolution: tried no-ukernels"  # why one without convolutions is
 # Its compile also distributes the input image's NCHW -> NHWC transposes over whole rows
 # (onecopy.delegate.transpose_tiles, keyed on this flag).
 CHANNELS_LAST = Candidate("channels-last", (CHANNELS_LAST_FLAG,))
@@ -99,6 +103,18 @@ CHANNELS_LAST_PAD_FUSION = Candidate("channels-last+pad-fusion", CHANNELS_LAST.f
 # micro kernel's tiles full) and costs where they are wide and shallow, or pointwise (a 1x1 conv 12.7x slower alone).
 CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_TILING, CONV_DATA_TILING,
                                      CHANNELS_LAST_PAD_FUSION)
+# Data-tiled matmuls as IREE's generated code instead of its mmt4d microkernel (the default flags name `all`
+# microkernels; the last flag given wins). Which is faster depends on the CPU and the shapes: the microkernels were
+# measured faster on an AVX2 CPU, while on a Xeon with AVX-512 the generated code ran attention's batch matmuls
+# (activations on both sides, packed at every call) 1.4x faster. Measured there, through onecopy, interleaved:
+#                                                       default   no-ukernels
+#   transformer encoder (4 layers, d=256, T=128) B=1     5.72 ms    5.27
+#   the same at B=16                                    94.5       86.4
+#   tiny Llama decode step, 2048-token cache            0.59       0.47      (its 32-token prefill 1.07x slower)
+#   the built-in MLP (8 x Linear(1024)), B=1 / B=16      1.14/2.92  1.12/2.89 (not tuned: no batch matmul)
+# A module with convolutions does not try it: conv data tiling lost to the default configuration without them
+# (ResNet-18 B=1 21.9 -> 90 ms).
+NO_UKERNELS = Candidate("no-ukernels", ("--iree-llvmcpu-enable-ukernels=none",))
 # Dense (kernel > 1x1, not depthwise) convolutions reading at least this many channels a group are "deep" here.
 DEEP_CHANNELS = 128
 
@@ -114,6 +130,16 @@ def has_convolution(source: bytes | memoryview) -> bool:
     return any(op in data for op in _CONVOLUTION_OPS)
 
 
+# Batch matmuls as torch.export's core ATen writes attention (scaled_dot_product_attention's math, a matmul of
+# 3-d or more operands): activations on both sides, found as has_convolution finds convolutions.
+_BATCH_MATMUL_OPS = (b"aten.bmm", b"aten.baddbmm")
+
+
+def has_batch_matmul(source: bytes | memoryview) -> bool:
+    data = bytes(source)
+    return any(op in data for op in _BATCH_MATMUL_OPS)
+
+
 def has_depthwise_nhwc(source: bytes | memoryview) -> bool:
     """Whether the bundle holds the depthwise_nhwc rewrite's convolutions (linalg's, found as has_convolution finds
     them)."""
@@ -127,11 +153,14 @@ def candidates(source: bytes | memoryview) -> list[Candidate]:
 
 def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
     """The configurations worth trying for `source`, in the order tried, and why that order. Every candidate
-    when it holds a convolution (what the candidates change), else the default alone; right after the default,
+    when it holds a convolution (what the candidates change), else the default and no-ukernels where batch
+    matmuls are (attention), else the default alone; right after the default,
     channels-last+conv-data-tiling when deep dense convolutions carry at least half of the multiply-adds
     (`deep_convolution_share`), else channels-last+pad-fusion when the depthwise_nhwc rewrite's convolutions are
     there (`has_depthwise_nhwc`)."""
     if not has_convolution(source):
+        if has_batch_matmul(source):
+            return [DEFAULT, NO_UKERNELS], BATCH_MATMULS
         return [DEFAULT], ONE_CONFIGURATION
     share = deep_convolution_share(source)
     first, rest = CANDIDATES[0], list(CANDIDATES[1:])
@@ -334,11 +363,16 @@ def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]], 
 
 
 def tune(source: bytes | memoryview, build: Build, where: str, *,
-         options: list[Candidate] | None = None, precision: str = "fp32", order: str = "") -> tuple[Any, Tuning]:
+         options: list[Candidate] | None = None, precision: str = "fp32", order: str = "",
+         release: Callable[[Any], None] | None = None) -> tuple[Any, Tuning]:
     """Build `source` in each candidate configuration (`options` in their order, default `plan(source)`), keep
     the fastest whose results agree with the default's. `precision`: what `build` compiles every candidate in (the
     default included, so the reference is in it too); it sets the tolerance (RTOL_BY_PRECISION). `order`: why the
-    options are in their order, for the record. Returns what `build` made for the chosen one, and the tuning."""
+    options are in their order, for the record. `release(made)` is called on what `build` made for a candidate as
+    soon as it is out of the running, so that no more than two candidates' code and encoded weights are held at
+    once (an LLM's weights are its size again per candidate). Returns what `build` made for the chosen one, and
+    the tuning."""
+    drop = release or (lambda made: None)
     started = time.perf_counter()
     if options is None:
         options, order = plan(source)
@@ -355,7 +389,8 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
     try:
         sigs = signatures(source)
         rng = np.random.default_rng(0)
-        calls = [(s, example_inputs(s, rng)) for s in sigs]
+        # A stateful module's helpers (State.read/save/reset) are not what its methods run: not timed.
+        calls = [(s, example_inputs(s, rng)) for s in sigs if s.name not in STATE_FUNCTIONS]
         reference, seconds = _time(runner, calls, 0.1 * plain_s)
     except (ValueError, RuntimeError, DelegateError) as e:
         tuning.note = f"kept the default: its functions could not be run on example inputs ({e})"
@@ -384,14 +419,19 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
             outputs, seconds = _time(run, calls, 0.1 * plain_s)
         except (ValueError, RuntimeError, DelegateError) as e:
             trial.error = f"does not run: {e}"
+            drop(made)
             continue
         trial.latency_ms = round(seconds * 1e3, 4)
         wrong = _agrees(outputs, reference, RTOL_BY_PRECISION[precision])
         if wrong is not None:
             trial.error = f"wrong answer: {wrong}"
+            drop(made)
             continue
         if seconds < best_s * (1 - _MIN_GAIN):
+            drop(best)
             best, best_s, tuning.chosen = made, seconds, candidate
+        else:
+            drop(made)
     tuning.elapsed_s = time.perf_counter() - started
     log.info("%s: tuned in %.1f s (budget %.1f s): chose %s (%s)", where, tuning.elapsed_s, budget,
              tuning.chosen.name, ", ".join(f"{t.candidate.name} {t.latency_ms} ms" if t.latency_ms is not None
