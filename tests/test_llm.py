@@ -229,15 +229,12 @@ def test_a_stateful_program_runs_in_bf16_close_to_fp32(llama_path):
     assert np.abs(a - b).max() > 1e-5 * np.abs(a).max()  # the bf16 load really computed in bf16
 
 
-def test_the_programs_specialization_is_tuned_with_its_state_served(llama_path, tmp_path):
-    """A module holding state is tuned as any other (its batch matmuls: attention), the state served zeros while
-    each candidate is timed; what was kept generates transformers' tokens (the tests above)."""
+def test_a_stateful_program_keeps_the_default_configuration(llama_path, tmp_path):
+    """Not tuned (onecopy.delegate.resolution.tunes): tuning's choice moved the executor decode shares with
+    prefill, and decode ran slower for it."""
     import json
 
     with Runtime(cache_dir=tmp_path).load_program(llama_path) as prog:
         prog.load_method("decode")
     (entry,) = tmp_path.glob("v1/entries/*/entry.json")
-    record = json.loads(entry.read_text())["tuning"]
-    assert [c["name"] for c in record["candidates"]] == ["default", "no-ukernels"]
-    assert all(c["latency_ms"] > 0 and c["error"] is None for c in record["candidates"])
-
+    assert "tuning" not in json.loads(entry.read_text())

@@ -36,9 +36,13 @@ def _driver(context: InitContext, target: Target) -> str:
 
 
 def tunes(context: InitContext, manifest: Manifest) -> bool:
-    """Whether specialization tries several configurations (onecopy.delegate.tuning): unless the backend option
-    `tune` is False. A module holding state (an LLM) is tuned too, its state served zeros as at calibration."""
-    return bool(context.backend_options.get("tune", True))
+    """Whether specialization tries several configurations (onecopy.delegate.tuning). Not for a module holding
+    state (an LLM): one executor serves all its functions (onecopy.delegate.executors), chosen over prefill and
+    decode alike, and a configuration that makes prefill faster on IREE's workers moved the tiny Llama's decode
+    there too: 27% slower a token in a decode loop (2048-token cache) though tuning had timed that configuration
+    faster. Until the executor choice weighs the functions as a generation calls them, such modules keep the
+    default configuration."""
+    return bool(context.backend_options.get("tune", True)) and not manifest.states
 
 
 @dataclass(frozen=True)

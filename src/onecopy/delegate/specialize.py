@@ -231,8 +231,7 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
 
     started = time.perf_counter()
     with fallbacks_warned_once():  # every candidate of a tuning falls back the same way: say it once
-        made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision,
-                            state_zeros=state_zeros)
+        made = _build_tuned(source, build, parameters, target, where, tune=tune, precision=precision)
     if target.compute_unit == "cpu":
         try:
             found = signatures(source)
@@ -250,8 +249,7 @@ def _budget(started: float) -> float:
 
 
 def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization], parameters: Mapping[str, memoryview],
-                 target: Target, where: str, *, tune: bool, precision: str,
-                 state_zeros: Mapping[str, int] | None = None) -> Specialization:
+                 target: Target, where: str, *, tune: bool, precision: str) -> Specialization:
     if not tune:
         return build(DEFAULT)
     options, order = plan(source)
@@ -264,8 +262,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
         made = build(candidate)
         encoded = {name: memoryview(array) for name, array in made.encoded.items()}
-        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded,
-                            state_zeros=state_zeros)
+        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
         models[id(made)] = model
         functions: dict[str, Any] = {}
 

@@ -5,9 +5,9 @@ family"): data tiling of convolutions takes a ResNet-18 from 7.6x ONNX Runtime t
 1x1 convolution 12.7x slower; the channels-last preprocessing pass helps dense 3x3 convolutions; IREE's matmul
 microkernel is slower than its generated code for attention's batch matmuls on AVX-512. So when a module holds
 convolutions, or batch matmuls (`plan`), specialization builds each candidate, runs every public function of it
-(not the state helpers) on the same random inputs, checks the results against those of today's configuration (the
-reference) and keeps the fastest. Any other module has one candidate: its first load costs what it did without
-tuning.
+on the same random inputs, checks the results against those of today's configuration (the reference) and keeps the
+fastest. Any other module has one candidate: its first load costs what it did without tuning; a module holding
+state (an LLM) is not tuned (onecopy.delegate.resolution.tunes says why).
 
 Shapes: each function's argument types come from the bundle's MLIR signature. A dynamic dimension (`?`) takes
 size 1, the B=1 (or one-token) call a device makes most; were 1 outside a symbol's range, the reference call
@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from onecopy.delegate.conv_tiles import CONV_DATA_TILING_FLAG, DATA_TILED_OPS
-from onecopy.delegate.manifest import STATE_FUNCTIONS
 from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
@@ -110,7 +109,6 @@ CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_
 #                                                       default   no-ukernels
 #   transformer encoder (4 layers, d=256, T=128) B=1     5.72 ms    5.27
 #   the same at B=16                                    94.5       86.4
-#   tiny Llama decode step, 2048-token cache            0.59       0.47      (its 32-token prefill 1.07x slower)
 #   the built-in MLP (8 x Linear(1024)), B=1 / B=16      1.14/2.92  1.12/2.89 (not tuned: no batch matmul)
 # A module with convolutions does not try it: conv data tiling lost to the default configuration without them
 # (ResNet-18 B=1 21.9 -> 90 ms).
@@ -389,8 +387,7 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
     try:
         sigs = signatures(source)
         rng = np.random.default_rng(0)
-        # A stateful module's helpers (State.read/save/reset) are not what its methods run: not timed.
-        calls = [(s, example_inputs(s, rng)) for s in sigs if s.name not in STATE_FUNCTIONS]
+        calls = [(s, example_inputs(s, rng)) for s in sigs]
         reference, seconds = _time(runner, calls, 0.1 * plain_s)
     except (ValueError, RuntimeError, DelegateError) as e:
         tuning.note = f"kept the default: its functions could not be run on example inputs ({e})"
