@@ -124,7 +124,7 @@ def _rounds(peers: dict, rounds: int, calls: int) -> dict[str, list[float]]:
         order = list(peers)
         rng.shuffle(order)
         for name in order:
-            time.sleep(0.005)
+            common.settle()  # the previous peer's threads idle first (harness/timing.py)
             start = time.perf_counter()
             peers[name]()
             times[name].append((time.perf_counter() - start) / calls * 1e3)

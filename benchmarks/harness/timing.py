@@ -15,7 +15,14 @@ from typing import Any
 from harness.cpu import cpu_snapshot, foreign_cpu
 
 __all__ = ["Stats", "paired_ratio", "paired_difference_ms", "paired_interval", "measure", "measure_alternating",
-           "Stopwatch", "median"]
+           "settle", "Stopwatch", "median"]
+
+# `settle`: this process counts as quiet when it used under QUIET_CORES of a core over one window of SETTLE_WINDOW_S.
+# The window spans a few scheduler ticks: the CPU time of a thread running on another core is only brought up to date
+# at a tick, so a shorter window can read a spinning thread as idle.
+SETTLE_WINDOW_S = 0.005
+QUIET_CORES = 0.1
+SETTLE_MAX_S = 0.25
 
 
 @dataclass
@@ -30,6 +37,8 @@ class Stats:
     rounds: int = 0  # rounds kept
     rounds_discarded: int = 0  # rounds measured while other processes were busy, measured again
     round_medians_ms: list[float] = field(default_factory=list)  # this peer's median in each kept round
+    # how long, on average, the process took to go quiet after this peer's block (its threads spinning on): `settle`
+    lingers_ms: float = 0.0
 
 
 def paired_ratio(a: Stats, b: Stats) -> float:
@@ -80,6 +89,25 @@ def _stats(samples: Sequence[float], rounds: int = 0, discarded: int = 0,
                  [m * 1e3 for m in round_medians])
 
 
+def settle(max_s: float = SETTLE_MAX_S) -> float:
+    """Sleep until this process is quiet: a window of SETTLE_WINDOW_S in which its threads used under QUIET_CORES of
+    a core, at most `max_s`; the seconds it took (one window at least).
+
+    Why. ONNX Runtime's intra-op pool keeps spinning for ~30 ms after a call and torch's for ~5-15 (measured on 2
+    vCPUs, a 5 ms transformer-encoder call: the process burned a whole core through the first ~28 ms after ORT's
+    last call). A peer timed while they spin shares the cores with them: onecopy's encoder calls right after a block
+    of ORT's took 5.39 ms (median) and 8.42 (p90) against 4.62 / 4.83 after torch's, behind a fixed 5 ms sleep; with
+    this wait 4.74 / 5.30. A peer's own threads spinning between its own calls stay counted: that is how it runs in a
+    loop."""
+    started = time.perf_counter()
+    while True:
+        cpu, wall = time.process_time(), time.perf_counter()
+        time.sleep(SETTLE_WINDOW_S)
+        now = time.perf_counter()
+        if (time.process_time() - cpu) / (now - wall) < QUIET_CORES or now - started >= max_s:
+            return now - started
+
+
 def measure(
     peers: Mapping[str, Callable[[], Any]],
     *,
@@ -89,7 +117,7 @@ def measure(
     warmup: int = 5,
     min_inner: int = 3,
     max_inner: int = 200,
-    settle_s: float = 0.005,
+    settle_s: float | None = SETTLE_MAX_S,
     prime: bool = True,
     seed: int = 0,
     busy_threshold: float = 0.15,
@@ -100,7 +128,8 @@ def measure(
     The order of the peers is shuffled every round (seeded): a fixed rotation would always run a peer right
     after the same other one, whose thread pool may still be spinning (ONNX Runtime's and torch's OpenMP
     workers spin for a while after a call, and this machine may have few cores). Before each peer's block the
-    process sleeps `settle_s` so such workers go idle, then (`prime`) makes one untimed call; neither is timed.
+    process waits until those workers went idle (`settle`, at most `settle_s`; None: no wait), then (`prime`)
+    makes one untimed call; neither is timed. How long each wait took is kept as the previous peer's `lingers_ms`.
 
     A round during which other processes kept more than `busy_threshold` of the CPUs busy is thrown away and
     measured again (at most as many extra rounds as planned): on a shared machine a burst of someone else's work
@@ -121,6 +150,7 @@ def measure(
     inner = max(min_inner, min(max_inner, int(budget_s / max(rounds * per_round_one_call, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in names}
     round_medians: dict[str, list[float]] = {name: [] for name in names}
+    lingers: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter
     order = list(names)
     shuffle = random.Random(seed).shuffle
@@ -129,10 +159,14 @@ def measure(
         shuffle(order)
         snapshot = cpu_snapshot() if busy_threshold < 1 else None
         this_round: dict[str, list[float]] = {name: [] for name in names}
+        previous = None
         for name in order:
             fn, out = peers[name], this_round[name]
             if settle_s:
-                time.sleep(settle_s)
+                waited = settle(settle_s)
+                if previous is not None:
+                    lingers[previous].append(waited)
+            previous = name
             if prime:
                 fn()  # one untimed call: the first after the pause pays for waking the peer's threads
             for _ in range(inner):
@@ -146,7 +180,10 @@ def measure(
         for name in names:
             samples[name].extend(this_round[name])
             round_medians[name].append(statistics.median(this_round[name]))
-    return {name: _stats(samples[name], kept, discarded, round_medians[name]) for name in names}
+    stats = {name: _stats(samples[name], kept, discarded, round_medians[name]) for name in names}
+    for name in names:
+        stats[name].lingers_ms = statistics.fmean(lingers[name]) * 1e3 if lingers[name] else 0.0
+    return stats
 
 
 def measure_alternating(peers: Mapping[str, Callable[[], Any]], *, budget_s: float, seed: int = 1) -> dict[str, Stats]:
@@ -161,7 +198,7 @@ def measure_alternating(peers: Mapping[str, Callable[[], Any]], *, budget_s: flo
     # No round is thrown away for other processes' CPU: /proc/stat counts in 10 ms ticks, too coarse to judge a
     # round of a few calls; a burst lands on both calls of a pair alike, and the caller reports the whole run's.
     return measure(peers, budget_s=budget_s, min_rounds=50, max_rounds=20_000, warmup=10, min_inner=1,
-                   max_inner=1, settle_s=0.0, prime=False, seed=seed, busy_threshold=float("inf"))
+                   max_inner=1, settle_s=None, prime=False, seed=seed, busy_threshold=float("inf"))
 
 
 class Stopwatch:
