@@ -129,13 +129,48 @@ def test_deep_dense_convolutions_try_conv_data_tiling_with_channels_last_first(t
     (meta,) = entry_meta(tmp_path / "cache")
     record = meta["tuning"]
     assert [c["name"] for c in record["candidates"]] == [
-        "default", "channels-last+conv-data-tiling", "channels-last", "conv-data-tiling", "channels-last+pad-fusion"]
+        "default", "channels-last+conv-data-tiling", "channels-last", "conv-data-tiling", "channels-last+pad-fusion",
+        "channels-last+pad-fusion+no-ukernels"]
     # 3x3x128 multiply-adds per output against 3x3x3 in the first conv: 1152 / (1152 + 27) of the work.
     assert record["order"].startswith("98% of the multiply-adds in dense convolutions over >= 128 channels: "
                                       "tried channels-last+conv-data-tiling first")
     np.testing.assert_allclose(y, model(torch.from_numpy(x)).detach().numpy(), rtol=1e-4, atol=1e-4)
     assert cli(["inspect", str(path), "--cache-dir", str(tmp_path / "cache")]) == 0
     assert "tried channels-last+conv-data-tiling first" in capsys.readouterr().out
+
+
+class InvertedResidual(torch.nn.Module):
+    """MobileNet's block: a 1x1 expansion, a depthwise 3x3 (the depthwise_nhwc rewrite's), a 1x1 projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(16, 48, 1), torch.nn.Hardswish(), torch.nn.Conv2d(48, 48, 3, padding=1, groups=48),
+            torch.nn.Hardswish(), torch.nn.Conv2d(48, 16, 1))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+def test_depthwise_modules_try_pad_fusion_without_microkernels_first(tmp_path, builds, monkeypatch):
+    """Each candidate is checked against the default's answer before it may be kept: both forms of pad fusion
+    compile for a depthwise block and agree with it."""
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)  # every candidate is tried
+    torch.manual_seed(0)
+    model = InvertedResidual().eval()
+    x = np.random.default_rng(3).standard_normal((2, 16, 12, 12)).astype(np.float32)
+    path = export_program({"forward": torch.export.export(model, (torch.from_numpy(x),))}).save(tmp_path / "dw.onecopy")
+    program, forward = load(path, tmp_path / "cache")
+    (y,) = forward.execute([x])
+    program.close()
+    (meta,) = entry_meta(tmp_path / "cache")
+    record = meta["tuning"]
+    assert [c["name"] for c in record["candidates"]][:3] == [
+        "default", "channels-last+pad-fusion+no-ukernels", "channels-last+pad-fusion"]
+    assert builds[1][-1] == "--iree-llvmcpu-enable-ukernels=none" and builds[1][:-1] == builds[2]
+    assert [c["error"] for c in record["candidates"][:3]] == [None] * 3
+    assert all(c["latency_ms"] > 0 for c in record["candidates"][:3])
+    np.testing.assert_allclose(y, model(torch.from_numpy(x)).detach().numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_tune_off_compiles_exactly_one_configuration(conv_program, tmp_path, builds, capsys):
@@ -327,12 +362,14 @@ def test_a_linalg_convolution_is_found_in_bytecode_as_in_text():
     assert b"linalg.depthwise" not in buffer.getvalue()  # why the search cannot name the dialect
     assert has_convolution(text.encode()) and has_convolution(buffer.getvalue())
     assert tuning.has_depthwise_nhwc(text.encode()) and tuning.has_depthwise_nhwc(buffer.getvalue())
-    # The depthwise_nhwc rewrite's convolutions read NHWC pads: channels-last with pad fusion is tried first.
+    # The depthwise_nhwc rewrite's convolutions read NHWC pads: channels-last with pad fusion is tried first, its
+    # matmuls as generated code, then with the microkernels.
     options, order = tuning.plan(buffer.getvalue())
-    assert [c.name for c in options] == ["default", "channels-last+pad-fusion", "channels-last",
-                                         "channels-last+conv-data-tiling", "conv-data-tiling"]
+    assert [c.name for c in options] == ["default", "channels-last+pad-fusion+no-ukernels", "channels-last+pad-fusion",
+                                         "channels-last", "channels-last+conv-data-tiling", "conv-data-tiling"]
+    assert options[1].flags == options[2].flags + ("--iree-llvmcpu-enable-ukernels=none",)
     assert order == ("0% of the multiply-adds in dense convolutions over >= 128 channels and depthwise_nhwc "
-                     "convolutions: tried channels-last+pad-fusion first")
+                     "convolutions: tried channels-last+pad-fusion+no-ukernels first")
 
 
 MATMUL = """

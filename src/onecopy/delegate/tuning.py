@@ -37,7 +37,7 @@ from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
 __all__ = ["BATCH_MATMULS", "BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING",
-           "CHANNELS_LAST_PAD_FUSION", "CONV_DATA_TILING", "DEEP_CHANNELS", "DEFAULT", "NO_UKERNELS",
+           "CHANNELS_LAST_PAD_FUSION", "CHANNELS_LAST_PAD_FUSION_NO_UKERNELS", "CONV_DATA_TILING", "DEEP_CHANNELS", "DEFAULT", "NO_UKERNELS",
            "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
            "Tuning", "candidates", "deep_convolution_share", "has_batch_matmul", "has_convolution",
            "has_depthwise_nhwc", "plan", "signatures", "tune"]
@@ -89,6 +89,29 @@ CHANNELS_LAST_DATA_TILING = Candidate("channels-last+conv-data-tiling", CHANNELS
 # With conv data tiling it does not compile (a dispatch needs more than IREE's 32 KB of stack).
 CHANNELS_LAST_PAD_FUSION = Candidate("channels-last+pad-fusion", CHANNELS_LAST.flags + (
     "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops",))
+# Data-tiled matmuls as IREE's generated code instead of its mmt4d microkernel (the default flags name `all`
+# microkernels; the last flag given wins). Which is faster depends on the CPU and the shapes: the microkernels were
+# measured faster on an AVX2 CPU, while on a Xeon with AVX-512 the generated code ran attention's batch matmuls
+# (activations on both sides, packed at every call) 1.4x faster. Measured there, through onecopy, interleaved:
+#                                                       default   no-ukernels
+#   transformer encoder (4 layers, d=256, T=128) B=1     5.72 ms    5.27
+#   the same at B=16                                    94.5       86.4
+#   the built-in MLP (8 x Linear(1024)), B=1 / B=16      1.14/2.92  1.12/2.89 (not tuned: no batch matmul)
+# A module with convolutions does not try it alone: conv data tiling lost to the default configuration without them
+# (ResNet-18 B=1 21.9 -> 90 ms); channels-last+pad-fusion+no-ukernels below is its form for convolutions.
+NO_UKERNELS = Candidate("no-ukernels", ("--iree-llvmcpu-enable-ukernels=none",))
+# Channels-last with pad fusion, its data-tiled matmuls (MobileNet's 1x1 convolutions, the classifier) as IREE's
+# generated code, as no-ukernels runs attention's. Not with conv data tiling, whose convolutions the microkernels
+# make fast (ResNet-18 21.9 -> 90 ms without them), so a candidate of its own. Measured through onecopy, interleaved,
+# one process, ms (the AVX2 row: code for haswell run on the same Xeon):
+#                                   channels-last+pad-fusion   +no-ukernels
+#   MobileNetV3-small B=1, AVX-512          2.81                  2.61
+#   MobileNetV3-small B=8, AVX-512          17.5                  16.0
+#   the same compiled for AVX2 (haswell)    3.29 / 22.0           3.13 / 20.6
+# so it is tried first where the depthwise_nhwc rewrite's convolutions are (`plan`), pad fusion with microkernels
+# next.
+CHANNELS_LAST_PAD_FUSION_NO_UKERNELS = Candidate("channels-last+pad-fusion+no-ukernels",
+                                                 CHANNELS_LAST_PAD_FUSION.flags + NO_UKERNELS.flags)
 # In the order tried when dense convolutions over wide inputs do not carry most of the work (`plan` puts
 # channels-last+conv-data-tiling first when they do). The budget often leaves room for one candidate only, so the
 # order is the guess. Measured on a Xeon with AVX-512, every candidate timed (ms):
@@ -101,18 +124,7 @@ CHANNELS_LAST_PAD_FUSION = Candidate("channels-last+pad-fusion", CHANNELS_LAST.f
 # Conv data tiling pays where the convolutions are deep (ResNet-18's 128-512 channel 3x3 convs at 28x28 to 7x7, its
 # micro kernel's tiles full) and costs where they are wide and shallow, or pointwise (a 1x1 conv 12.7x slower alone).
 CANDIDATES: tuple[Candidate, ...] = (DEFAULT, CHANNELS_LAST, CHANNELS_LAST_DATA_TILING, CONV_DATA_TILING,
-                                     CHANNELS_LAST_PAD_FUSION)
-# Data-tiled matmuls as IREE's generated code instead of its mmt4d microkernel (the default flags name `all`
-# microkernels; the last flag given wins). Which is faster depends on the CPU and the shapes: the microkernels were
-# measured faster on an AVX2 CPU, while on a Xeon with AVX-512 the generated code ran attention's batch matmuls
-# (activations on both sides, packed at every call) 1.4x faster. Measured there, through onecopy, interleaved:
-#                                                       default   no-ukernels
-#   transformer encoder (4 layers, d=256, T=128) B=1     5.72 ms    5.27
-#   the same at B=16                                    94.5       86.4
-#   the built-in MLP (8 x Linear(1024)), B=1 / B=16      1.14/2.92  1.12/2.89 (not tuned: no batch matmul)
-# A module with convolutions does not try it: conv data tiling lost to the default configuration without them
-# (ResNet-18 B=1 21.9 -> 90 ms).
-NO_UKERNELS = Candidate("no-ukernels", ("--iree-llvmcpu-enable-ukernels=none",))
+                                     CHANNELS_LAST_PAD_FUSION, CHANNELS_LAST_PAD_FUSION_NO_UKERNELS)
 # Dense (kernel > 1x1, not depthwise) convolutions reading at least this many channels a group are "deep" here.
 DEEP_CHANNELS = 128
 
@@ -154,19 +166,19 @@ def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
     when it holds a convolution (what the candidates change), else the default and no-ukernels where batch
     matmuls are (attention), else the default alone; right after the default,
     channels-last+conv-data-tiling when deep dense convolutions carry at least half of the multiply-adds
-    (`deep_convolution_share`), else channels-last+pad-fusion when the depthwise_nhwc rewrite's convolutions are
-    there (`has_depthwise_nhwc`)."""
+    (`deep_convolution_share`), else channels-last+pad-fusion (without microkernels, then with them) when the
+    depthwise_nhwc rewrite's convolutions are there (`has_depthwise_nhwc`)."""
     if not has_convolution(source):
         if has_batch_matmul(source):
             return [DEFAULT, NO_UKERNELS], BATCH_MATMULS
         return [DEFAULT], ONE_CONFIGURATION
     share = deep_convolution_share(source)
     first, rest = CANDIDATES[0], list(CANDIDATES[1:])
-    lead = (CHANNELS_LAST_DATA_TILING if share >= 0.5 else
-            CHANNELS_LAST_PAD_FUSION if has_depthwise_nhwc(source) else None)
-    if lead is not None:
-        rest.sort(key=lambda c: c.name != lead.name)  # stable: the others keep their order
-    depthwise = " and depthwise_nhwc convolutions" if lead is CHANNELS_LAST_PAD_FUSION else ""
+    leads = ((CHANNELS_LAST_DATA_TILING,) if share >= 0.5 else
+             (CHANNELS_LAST_PAD_FUSION_NO_UKERNELS, CHANNELS_LAST_PAD_FUSION) if has_depthwise_nhwc(source) else ())
+    rank = {c.name: i for i, c in enumerate(leads)}
+    rest.sort(key=lambda c: rank.get(c.name, len(leads)))  # stable: the others keep their order
+    depthwise = " and depthwise_nhwc convolutions" if CHANNELS_LAST_PAD_FUSION in leads else ""
     return [first, *rest], (f"{share:.0%} of the multiply-adds in dense convolutions over >= {DEEP_CHANNELS} "
                             f"channels{depthwise}: tried {rest[0].name} first" if rest else "")
 
