@@ -69,6 +69,17 @@ def entry_meta(cache_dir) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(cache_dir.glob("v1/entries/*/entry.json"))]
 
 
+def tuned_once(model: torch.nn.Module, x: np.ndarray, tmp_path):
+    """`model` exported on `x` and loaded once (tuned, a cache of its own under tmp_path): the program's path, the
+    result on `x`, and the tuning record of the cache entry."""
+    path = export_program({"forward": torch.export.export(model, (torch.from_numpy(x),))}).save(tmp_path / "m.onecopy")
+    program, forward = load(path, tmp_path / "cache")
+    (y,) = forward.execute([x])
+    program.close()
+    (meta,) = entry_meta(tmp_path / "cache")
+    return path, y, meta["tuning"]
+
+
 @pytest.mark.parametrize("value", [1, "no", None])
 def test_tune_is_a_bool_option(conv_program, tmp_path, value):
     with pytest.raises(InvalidArgument, match=f"Backend 'IreeBackend' option 'tune' expects bool, got {type(value).__name__}"):
@@ -122,12 +133,7 @@ def test_deep_dense_convolutions_try_conv_data_tiling_with_channels_last_first(t
     torch.manual_seed(0)
     model = DeepConvNet().eval()
     x = np.random.default_rng(2).standard_normal((1, 3, 8, 8)).astype(np.float32)
-    path = export_program({"forward": torch.export.export(model, (torch.from_numpy(x),))}).save(tmp_path / "deep.onecopy")
-    program, forward = load(path, tmp_path / "cache")
-    (y,) = forward.execute([x])
-    program.close()
-    (meta,) = entry_meta(tmp_path / "cache")
-    record = meta["tuning"]
+    path, y, record = tuned_once(model, x, tmp_path)
     assert [c["name"] for c in record["candidates"]] == [
         "default", "channels-last+conv-data-tiling", "channels-last", "conv-data-tiling", "channels-last+pad-fusion",
         "channels-last+pad-fusion+no-ukernels"]
@@ -159,12 +165,7 @@ def test_depthwise_modules_try_pad_fusion_without_microkernels_first(tmp_path, b
     torch.manual_seed(0)
     model = InvertedResidual().eval()
     x = np.random.default_rng(3).standard_normal((2, 16, 12, 12)).astype(np.float32)
-    path = export_program({"forward": torch.export.export(model, (torch.from_numpy(x),))}).save(tmp_path / "dw.onecopy")
-    program, forward = load(path, tmp_path / "cache")
-    (y,) = forward.execute([x])
-    program.close()
-    (meta,) = entry_meta(tmp_path / "cache")
-    record = meta["tuning"]
+    _, y, record = tuned_once(model, x, tmp_path)
     assert [c["name"] for c in record["candidates"]][:3] == [
         "default", "channels-last+pad-fusion+no-ukernels", "channels-last+pad-fusion"]
     assert builds[1][-1] == "--iree-llvmcpu-enable-ukernels=none" and builds[1][:-1] == builds[2]
