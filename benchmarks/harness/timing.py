@@ -18,8 +18,9 @@ __all__ = ["Stats", "paired_ratio", "paired_difference_ms", "paired_interval", "
            "settle", "Stopwatch", "median"]
 
 # `settle`: this process counts as quiet when it used under QUIET_CORES of a core over one window of SETTLE_WINDOW_S.
-# The window spans a few scheduler ticks: the CPU time of a thread running on another core is only brought up to date
-# at a tick, so a shorter window can read a spinning thread as idle.
+# The CPU time of a thread running on another core is brought up to date at scheduler ticks, so a window much
+# shorter than a tick can read a spinning thread as idle; 5 ms windows read ORT's pool busy until it stopped here
+# (the wait after ORT's blocks: 36 ms, for its ~28 ms of spinning).
 SETTLE_WINDOW_S = 0.005
 QUIET_CORES = 0.1
 SETTLE_MAX_S = 0.25

@@ -37,7 +37,8 @@ from onecopy.delegate.transpose_tiles import CHANNELS_LAST_FLAG
 from onecopy.errors import DelegateError
 
 __all__ = ["BATCH_MATMULS", "BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHANNELS_LAST_DATA_TILING",
-           "CHANNELS_LAST_PAD_FUSION", "CHANNELS_LAST_PAD_FUSION_NO_UKERNELS", "CONV_DATA_TILING", "DEEP_CHANNELS", "DEFAULT", "NO_UKERNELS",
+           "CHANNELS_LAST_PAD_FUSION", "CHANNELS_LAST_PAD_FUSION_NO_UKERNELS", "CONV_DATA_TILING", "DEEP_CHANNELS",
+           "DEFAULT", "NO_UKERNELS",
            "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
            "Tuning", "candidates", "deep_convolution_share", "has_batch_matmul", "has_convolution",
            "has_depthwise_nhwc", "plan", "signatures", "tune"]
