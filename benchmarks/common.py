@@ -34,7 +34,8 @@ __all__ = [
     "max_abs_diff", "SMAPS_FIELDS", "smaps_rollup", "ENCODED_SCOPE", "RawIree", "RawIreeInPlace", "engine_device",
     "engine_driver", "BenchmarkRun", "parse_args", "results_path", "write_results", "fmt_bytes", "fmt_ms", "fmt_ratio", "mib", "print_table",
     "TARGET_COLUMNS", "print_targets", "target", "target_row", "Stats", "Stopwatch", "measure",
-    "measure_alternating", "median", "settle", "paired_difference_ms", "paired_interval", "paired_ratio", "cache_entries",
+    "measure_alternating", "median", "settle", "paired_difference_ms", "paired_interval", "paired_ratio",
+    "cache_entries",
     "collect_load_states", "isolated_cache", "run_script", "specializations", "temp_workdir", "_jsonable", "_stats",
 ]
 

@@ -156,11 +156,11 @@ def measure(
     order = list(names)
     shuffle = random.Random(seed).shuffle
     kept = discarded = 0
+    previous = None  # whose block ran last, this round or the one before: the next wait is its threads' linger
     while kept < rounds:
         shuffle(order)
         snapshot = cpu_snapshot() if busy_threshold < 1 else None
         this_round: dict[str, list[float]] = {name: [] for name in names}
-        previous = None
         for name in order:
             fn, out = peers[name], this_round[name]
             if settle_s:
