@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -120,6 +121,18 @@ def test_bench_runs_on_the_executor_asked(small_program_path, capsys, monkeypatc
     assert drivers and set(drivers) == {"local-sync"}
 
 
+
+def test_profile_prints_each_methods_dispatches_and_json(small_program_path, capsys):
+    assert main(["profile", str(small_program_path), "--seconds", "0.1", "--executor", "inline", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "forward: main on local-sync (the calling thread)" in out and "prefill: main on local-sync" in out
+    assert "matmul" in out and "ms a call" in out
+    assert main(["profile", str(small_program_path), "--seconds", "0.1", "--method", "prefill", "--json"]) == 0
+    profiles = json.loads(capsys.readouterr().out)
+    assert list(profiles) == ["prefill"] and profiles["prefill"]["calls"] > 0
+    assert sum(row["per_call"] for row in profiles["prefill"]["rows"] if "matmul" in row["name"]) == 3
+    assert main(["profile", str(small_program_path), "--seconds", "0"]) == 2
+    assert "--seconds must be positive" in capsys.readouterr().err
 
 @pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")
 def test_bench_in_bf16_reports_the_error_against_fp32_and_inspect_shows_both_precisions(

@@ -1,4 +1,4 @@
-"""onecopy demo | export | export-hf | inspect | verify | run | bench | cache | serve"""
+"""onecopy demo | export | export-hf | inspect | verify | run | bench | profile | cache | serve"""
 
 from __future__ import annotations
 
@@ -195,8 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 meta = method.method_meta
                 if any(t.is_dynamic for t in meta.inputs):
                     raise InvalidArgument(f"Method '{name}' has dynamic inputs; bench runs static-shape methods only.")
-                rng = np.random.default_rng(0)
-                inputs = [rng.standard_normal(t.shape).astype(t.dtype) for t in meta.inputs]
+                inputs = meta.example_inputs()
                 outputs = [None if t.memory_planned else np.empty(t.shape, t.dtype) for t in meta.outputs]
                 compared = None
                 if fp32 is not None:  # first calls of both: a stateful method starts from the same state in each
@@ -219,6 +218,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     row += [f"{compared[0]:.3g}", f"{compared[1]:.6f}"]
                 table.add_row(*row)
     Console().print(table)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from onecopy.runtime import Runtime
+
+    if args.seconds <= 0:
+        raise InvalidArgument(f"--seconds must be positive, got {args.seconds}")
+    options = {"IreeBackend": {"executor": args.executor}} if args.executor else None
+    profiles = {}
+    with Runtime(cache_dir=args.cache_dir).load_program(args.file, backend_options=options) as program:
+        for name in args.method or program.method_names:
+            profile = program.load_method(name).profile(seconds=args.seconds)
+            profiles[name] = profile
+            if not args.json:
+                print(f"{name}: " + "\n".join(profile.lines(args.top)))
+    if args.json:
+        print(json.dumps({name: profile.to_dict() for name, profile in profiles.items()}, indent=1))
     return 0
 
 
@@ -331,6 +350,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=("auto", "parallel", "inline"),
                    help="CPU executor (default auto: each method on the one measured faster at its first load)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("profile", help="where each method's time goes in the engine, dispatch by dispatch")
+    p.add_argument("file")
+    p.add_argument("--method", action="append", help="method to profile (default: all); repeatable")
+    p.add_argument("--seconds", type=float, default=2.0, help="how long each method is called back to back")
+    p.add_argument("--executor", choices=("auto", "parallel", "inline"),
+                   help="run on IREE's task workers or the calling thread (default: what the load picks)")
+    p.add_argument("--top", type=int, default=20, help="dispatches listed per method, the slowest first")
+    p.add_argument("--json", action="store_true", help="print the profiles as JSON")
+    p.add_argument("--cache-dir", help="the specialization cache (default: $ONECOPY_CACHE_DIR or the user cache dir)")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("export", help="export a model's methods into one program file")
     p.add_argument("model", help="MODULE:FACTORY returning a torch.nn.Module, e.g. onecopy.models:builtin_model")

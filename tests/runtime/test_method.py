@@ -317,6 +317,8 @@ def test_delegate_init_receives_its_context(small_program, tmp_path):
         method = program.load_method("prefill")
         (y,) = method.execute([np.ones((16, 64), np.float32)])
         assert any(key.startswith("param/") for key in Recording.seen[-1].named_data)
+        with pytest.raises(InvalidArgument, match="'double' \\(backend Handle\\) cannot profile its calls"):
+            method.profile(seconds=0.1)  # a backend without a profiler of its own: the default refusal
     np.testing.assert_array_equal(y, np.full((16, 64), 3.0))
     context = Recording.seen[-1]
     assert context.method_name == "prefill"
@@ -363,3 +365,16 @@ def test_load_method_hands_out_the_same_method_with_its_bound_surfaces(small_pro
         method._owner.close()  # close() still ends every method it handed out
         with pytest.raises(ExecutionError, match="belongs to a closed program"):
             method.execute([x])
+
+
+def test_example_inputs_have_the_inputs_shapes_and_are_valid_as_indices(forward):
+    from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+
+    (x,) = forward.method_meta.example_inputs()
+    assert x.shape == forward.method_meta.inputs[0].shape and x.dtype == np.float32 and x.std() > 0
+    meta = MethodMeta("decode", (TensorMeta((1, 1), np.dtype(np.int64), False), TensorMeta(("s0",), np.dtype(np.float32), False)),
+                      (), (), ())
+    with pytest.raises(InvalidArgument, match=r"dynamic input shapes \(input 1: \['s0'\]\); give its inputs"):
+        meta.example_inputs()
+    ids, = MethodMeta("decode", meta.inputs[:1], (), (), ()).example_inputs()
+    assert ids.dtype == np.int64 and not ids.any()  # token ids and positions: zeros, in range

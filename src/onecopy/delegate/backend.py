@@ -14,6 +14,7 @@ from onecopy.delegate import quarantine
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.cache import CacheEntry
 from onecopy.delegate.cpus import worker_count
+from onecopy.delegate.dispatch_profile import profile_model
 from onecopy.delegate.engine import EngineFunction, LoadedModel
 from onecopy.delegate.executors import caller_wait_mode, choose, merge, stale
 from onecopy.delegate.invocation import Invocation, call, call_copied
@@ -141,6 +142,13 @@ class IreeDelegate(DelegateHandle):
         if function.outputs_in_place:
             return None
         return function.copied_call(inputs, outputs, report)
+
+    def profile(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], seconds: float) -> Any:
+        function = self._function
+        if function is None:
+            raise DelegateError(f"Delegate '{self.function}' was destroyed; load the program again.")
+        arguments = [*inputs, *outputs] if function.outputs_in_place else list(inputs)
+        return profile_model(function.model, self.function, arguments, seconds=seconds)
 
     def bind_surface(self, surface: Any) -> None:
         function = self._function

@@ -120,6 +120,11 @@ def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool
     each buffer and reads (or, `writable`, writes) it in place: no copy. `zeros` (name -> bytes) are served as
     zero splats, which is what a mutable global (program state) must start from: IREE writes a mutable global
     served from a buffer into that buffer itself, shared by every context."""
+    return _parameter_index(buffers, writable=writable, zeros=zeros).create_provider(scope=scope)
+
+
+def _parameter_index(buffers: Mapping[str, Any], *, writable: bool = False,
+                     zeros: Mapping[str, int] | None = None) -> Any:
     import iree.runtime as ireert
 
     index = ireert.ParameterIndex()
@@ -127,7 +132,7 @@ def parameter_provider(buffers: Mapping[str, Any], scope: str, *, writable: bool
         index.add_buffer(name, buffer, writable=writable)
     for name, nbytes in (zeros or {}).items():
         index.add_splat(name, np.zeros(1, np.uint8), nbytes)
-    return index.create_provider(scope=scope)
+    return index
 
 
 # The CPU drivers, whose devices get a caching allocator (see hal_device).
@@ -267,6 +272,20 @@ class LoadedModel:
                            state_zeros=self._state_zeros, driver=driver, workers=self.workers)
         twin.load_state = "restored"
         return twin
+
+    def write_for_tools(self, directory: Path) -> tuple[Path, dict[str, Path]]:
+        """This model as IREE's command-line tools take it, written into `directory`: the module's bytes and each
+        parameter scope as an IRPA archive (scope -> path). For tools that run the module in a child process
+        (onecopy.delegate.dispatch_profile): the archives are a copy of the weights, there while the directory is.
+        Program state starts as the engine's does, zeros."""
+        module = directory / "module.vmfb"
+        module.write_bytes(self._vmfb)
+        archives = {PARAMETER_SCOPE: directory / f"{PARAMETER_SCOPE}.irpa"}
+        _parameter_index(self._parameters, zeros=self._state_zeros).create_archive_file(str(archives[PARAMETER_SCOPE]))
+        if self._encoded:
+            archives[ENCODED_SCOPE] = directory / f"{ENCODED_SCOPE}.irpa"
+            _parameter_index(self._encoded).create_archive_file(str(archives[ENCODED_SCOPE]))
+        return module, archives
 
     def huge_page_bytes(self) -> int:
         """How much of the packed weights this process maps with huge pages (page_map): reads /proc/self/smaps,

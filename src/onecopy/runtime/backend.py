@@ -174,6 +174,12 @@ class DelegateHandle(abc.ABC):
         return lambda arrays, stats, state, outs=None: self.execute_with_state(
             state, arrays, nothing if outs is None else outs, stats)
 
+    def profile(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], seconds: float) -> Any:
+        """Where a call's time goes inside the engine (`Method.profile`): the call made back to back on `inputs`
+        (`outputs`: storage of the outputs' shapes, for an engine that takes it) for about `seconds`."""
+        raise InvalidArgument(f"Delegate '{self.function}' (backend {type(self).__name__}) cannot profile its "
+                              "calls; profiles cover IREE's CPU executors.")
+
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release engine resources. Called once, by `Program.close()`."""

@@ -285,6 +285,23 @@ class Method:
             )
         return state
 
+    def profile(self, inputs: Sequence[Any] | None = None, *, seconds: float = 2.0) -> Any:
+        """Where a call's time goes inside the engine, dispatch by dispatch: the method's engine function called
+        back to back for about `seconds` under the engine's own profiler, on `inputs` (None: `method_meta`'s
+        example inputs). Returns the delegate's profile (IREE: onecopy.delegate.dispatch_profile.DispatchProfile,
+        what `onecopy profile` prints). A stateful method's calls start from zeroed state, not from a `State`.
+        For a method that runs as one delegate call."""
+        self._check_open()
+        whole = self._whole_call
+        if whole is None:
+            raise InvalidArgument(
+                f"Method '{self.name}' runs as {len(self._definition.instructions)} instructions "
+                f"({', '.join(self._meta.instructions)}); profile covers a method that runs as one delegate call. "
+                "Export it without skip_ops to profile its engine function.")
+        values, _ = self._arguments(self._meta.example_inputs() if inputs is None else inputs, None)
+        outputs = [np.zeros(t.shape, t.dtype) for t in self._meta.outputs if not t.is_dynamic]
+        return self._delegates[whole.delegate].profile([values[v] for v in whole.inputs], outputs, seconds)
+
     def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
                 state: Any = None) -> PreparedCall | StatePreparedCall:
         """Plan a call on these very input and output arrays once; `run()` it for each new content (a frame loop

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from onecopy.errors import InvalidArgument
 from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
 
 __all__ = ["TensorMeta", "DelegateMeta", "Choice", "MethodMeta"]
@@ -82,6 +83,18 @@ class MethodMeta:
     def stateful(self) -> bool:
         """Whether calls run on a `State` (`execute(..., state=...)`; the program's default one without it)."""
         return bool(self.states)
+
+    def example_inputs(self, seed: int = 0) -> list[np.ndarray]:
+        """An input of each input's shape and dtype, for tools that time a method (`onecopy bench`, `profile`):
+        standard normal values for floating point, zeros for integers and booleans (valid as indices: token ids,
+        positions). A dynamic shape has no example: InvalidArgument."""
+        dynamic = [i for i, t in enumerate(self.inputs) if t.is_dynamic]
+        if dynamic:
+            raise InvalidArgument(f"Method '{self.name}' has dynamic input shapes (input {dynamic[0]}: "
+                                  f"{list(self.inputs[dynamic[0]].shape)}); give its inputs.")
+        rng = np.random.default_rng(seed)
+        return [rng.standard_normal(t.shape).astype(t.dtype) if np.issubdtype(t.dtype, np.floating)
+                else np.zeros(t.shape, t.dtype) for t in self.inputs]
 
     @classmethod
     def from_definition(cls, method: MethodDef, program: ProgramDef,
