@@ -65,7 +65,7 @@ class DispatchProfile:
     driver: str  # local-task (IREE's task workers) or local-sync (the calling thread)
     workers: int | None  # task workers (local-task); None on the calling thread
     calls: int  # profiled (after the warm-up ones)
-    call_ms: float  # one call as the caller saw it (iree-benchmark-module's wall time per call)
+    call_ms: float  # one call as the calling loop saw it: first dispatch to the next call's first dispatch
     dispatches: float  # per call
     dispatch_ms: float  # the dispatches' own time per call
     span_ms: float  # first dispatch's start to last one's end, per call
@@ -179,7 +179,7 @@ def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int 
               call_ms: float) -> DispatchProfile:
     """The profile from what IREE's profiler recorded, as `iree-profile --format=jsonl` prints it: the calls'
     `queue_event`s (`queue`) and the `host_dispatch_event`s (`dispatch --dispatch_events`); other lines are
-    skipped."""
+    skipped. `call_ms`: the benchmark's wall time per call, used where one call alone was profiled."""
     executes: dict[int, int] = {}  # submission -> when it was ready to run (ns)
     by_submission: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
@@ -212,6 +212,11 @@ def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int 
         busy.append(sum(e["duration_ns"] for e in events) / 1e6)
         if submission in executes:
             wakes.append((events[0]["start_host_time_ns"] - executes[submission]) / 1e3)
+    # A call as the loop saw it: from one call's first dispatch to the next one's (the benchmark's own mean
+    # counts the warm-up calls too); with a single profiled call, the benchmark's figure.
+    starts = [events[0]["start_host_time_ns"] for events in calls]
+    if len(starts) > 1:
+        call_ms = (starts[-1] - starts[0]) / (len(starts) - 1) / 1e6
     n, total = len(calls), sum(per_name.values())
     rows = [DispatchRow(name, runs[name] / n, ns / n / 1e6, ns / total if total else 0.0)
             for name, ns in sorted(per_name.items(), key=lambda kv: -kv[1])]
