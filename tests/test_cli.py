@@ -134,6 +134,18 @@ def test_profile_prints_each_methods_dispatches_and_json(small_program_path, cap
     assert main(["profile", str(small_program_path), "--seconds", "0"]) == 2
     assert "--seconds must be positive" in capsys.readouterr().err
 
+
+def test_profile_takes_a_methods_inputs_from_npy_files(small_program_path, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones((1, 64), np.float32))
+    assert main(["profile", str(small_program_path), "--seconds", "0.1", "--method", "forward",
+                 "--input", str(tmp_path / "x.npy")]) == 0
+    assert "forward: main on" in capsys.readouterr().out
+    assert main(["profile", str(small_program_path), "--input", str(tmp_path / "x.npy")]) == 2
+    assert "--input is for one method" in capsys.readouterr().err
+    np.save(tmp_path / "wrong.npy", np.ones((2, 64), np.float32))  # checked as execute checks them
+    assert main(["profile", str(small_program_path), "--method", "forward", "--input", str(tmp_path / "wrong.npy")]) == 2
+    assert "forward" in capsys.readouterr().err
+
 @pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")
 def test_bench_in_bf16_reports_the_error_against_fp32_and_inspect_shows_both_precisions(
         small_program_path, tmp_path, monkeypatch, capsys):

@@ -90,12 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from onecopy.runtime import Runtime
 
-    inputs = []
-    for path in args.input:
-        try:
-            inputs.append(np.load(path, allow_pickle=False))
-        except (OSError, ValueError) as e:
-            raise InvalidArgument(f"Input '{path}' is not a readable .npy file: {e}") from e
+    inputs = _load_inputs(args.input)
     options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
     with Runtime().load_program(args.file, backend_options=options) as program:
         method = program.load_method(args.method)
@@ -107,6 +102,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.output:
             np.save(args.output[i], out)
     return 0
+
+
+def _load_inputs(paths: list[str]) -> list:
+    import numpy as np
+
+    inputs = []
+    for path in paths:
+        try:
+            inputs.append(np.load(path, allow_pickle=False))
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"Input '{path}' is not a readable .npy file: {e}") from e
+    return inputs
 
 
 def _load_factory(spec: str):
@@ -228,11 +235,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.seconds <= 0:
         raise InvalidArgument(f"--seconds must be positive, got {args.seconds}")
+    inputs = _load_inputs(args.input) or None
+    if inputs is not None and len(args.method or ()) != 1:
+        raise InvalidArgument("--input is for one method: name it with --method.")
     options = {"IreeBackend": {"executor": args.executor}} if args.executor else None
     profiles = {}
     with Runtime(cache_dir=args.cache_dir).load_program(args.file, backend_options=options) as program:
         for name in args.method or program.method_names:
-            profile = program.load_method(name).profile(seconds=args.seconds)
+            profile = program.load_method(name).profile(inputs, seconds=args.seconds)
             profiles[name] = profile
             if not args.json:
                 print(f"{name}: " + "\n".join(profile.lines(args.top)))
@@ -355,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--method", action="append", help="method to profile (default: all); repeatable")
     p.add_argument("--seconds", type=float, default=2.0, help="how long each method is called back to back")
+    p.add_argument("--input", action="append", default=[],
+                   help=".npy file per input, in order, for one --method (default: random inputs of its shapes)")
     p.add_argument("--executor", choices=("auto", "parallel", "inline"),
                    help="run on IREE's task workers or the calling thread (default: what the load picks)")
     p.add_argument("--top", type=int, default=20, help="dispatches listed per method, the slowest first")
