@@ -23,8 +23,8 @@ from harness.raw_iree import ENCODED_SCOPE, RawIree, RawIreeInPlace, engine_devi
 from harness.results import BenchmarkRun, _jsonable, parse_args, results_path, write_results
 from harness.tables import fmt_bytes, fmt_ms, fmt_ratio, mib, print_table
 from harness.targets import TARGET_COLUMNS, print_targets, target, target_row
-from harness.timing import (Stats, Stopwatch, _stats, measure, measure_alternating, median, paired_difference_ms,
-                            paired_interval, paired_ratio, settle)
+from harness.timing import (Stats, Stopwatch, _stats, measure, measure_alternating, measure_blocks, median,
+                            paired_difference_ms, paired_interval, paired_ratio, settle)
 from harness.workspace import (cache_entries, collect_load_states, isolated_cache, run_script, specializations,
                                temp_workdir)
 
@@ -34,7 +34,7 @@ __all__ = [
     "max_abs_diff", "SMAPS_FIELDS", "smaps_rollup", "ENCODED_SCOPE", "RawIree", "RawIreeInPlace", "engine_device",
     "engine_driver", "BenchmarkRun", "parse_args", "results_path", "write_results", "fmt_bytes", "fmt_ms", "fmt_ratio", "mib", "print_table",
     "TARGET_COLUMNS", "print_targets", "target", "target_row", "Stats", "Stopwatch", "measure",
-    "measure_alternating", "median", "settle", "paired_difference_ms", "paired_interval", "paired_ratio",
+    "measure_alternating", "measure_blocks", "median", "settle", "paired_difference_ms", "paired_interval", "paired_ratio",
     "cache_entries",
     "collect_load_states", "isolated_cache", "run_script", "specializations", "temp_workdir", "_jsonable", "_stats",
 ]

@@ -114,23 +114,6 @@ def _one_thread(run):
     return run_1t
 
 
-def _rounds(peers: dict, rounds: int, calls: int) -> dict[str, list[float]]:
-    """ms per call of each peer (a block of `calls` calls), `rounds` times, in a shuffled order each round."""
-    times: dict[str, list[float]] = {name: [] for name in peers}
-    for fn in peers.values():  # warm-up
-        fn()
-    rng = random.Random(0)
-    for _ in range(rounds):
-        order = list(peers)
-        rng.shuffle(order)
-        for name in order:
-            common.settle()  # the previous peer's threads idle first (harness/timing.py)
-            start = time.perf_counter()
-            peers[name]()
-            times[name].append((time.perf_counter() - start) / calls * 1e3)
-    return times
-
-
 def prefill_row(model, prog, eager, size: int, work: Path, rounds: int) -> dict:
     """One prefill of PREFILL_TOKENS tokens from position 0 (the prompt's cost before the first token), onecopy vs
     torch eager vs ONNX Runtime (the cache as inputs/outputs, a [1, PREFILL_TOKENS] step), each checked against
@@ -160,7 +143,7 @@ def prefill_row(model, prog, eager, size: int, work: Path, rounds: int) -> dict:
     peers = {"onecopy": lambda: prefill.execute([ids, positions], state=state), "torch": run_torch,
              "torch 1 thread": _one_thread(run_torch), "onnxruntime IOBinding": lambda: ort.step_iobinding(ids, 0),
              "onnxruntime run": run_ort_run}
-    times = _rounds(peers, rounds, 1)
+    times = common.measure_blocks(peers, 1, rounds=rounds)
     state.close()
     ort_best = max(("onnxruntime IOBinding", "onnxruntime run"), key=lambda m: _paired(times, "onecopy", m))
     return {"tokens": PREFILL_TOKENS, "ms": {k: round(statistics.median(v), 4) for k, v in times.items()},
@@ -290,7 +273,7 @@ def main() -> None:
             peers = {"onecopy": run_onecopy, "raw IREE": run_raw, "torch": run_torch,
                      "torch 1 thread": _one_thread(run_torch), "onnxruntime IOBinding": run_ort_iobinding,
                      "onnxruntime run": run_ort_run}
-            times = _rounds(peers, args.rounds, args.calls)
+            times = common.measure_blocks(peers, args.calls, rounds=args.rounds)
             medians = {name: statistics.median(t) for name, t in times.items()}
             # ORT's best configuration: the mode onecopy compares worst with (paired by round).
             ort_best = max(("onnxruntime IOBinding", "onnxruntime run"), key=lambda m: _paired(times, "onecopy", m))

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import tempfile
 import time
@@ -136,19 +134,8 @@ def main() -> None:
             runs[("prefill", name)] = timed_prefill(prefill, state)
         if ort is not None:
             runs[("decode", "onnxruntime IOBinding")] = lambda: [ort.step_iobinding(ids, p) for p in positions]
-        times = {key: [] for key in runs}
-        for fn in runs.values():
-            fn()
-        rng = random.Random(0)
-        for _ in range(args.rounds):
-            order = list(runs)
-            rng.shuffle(order)
-            for key in order:
-                common.settle()  # the previous peer's threads idle first (harness/timing.py)
-                start = time.perf_counter()
-                runs[key]()
-                per = args.calls if key[0] == "decode" else 4
-                times[key].append((time.perf_counter() - start) / per * 1e3)
+        times = common.measure_blocks(runs, {key: args.calls if key[0] == "decode" else 4 for key in runs},
+                                      rounds=args.rounds)
         for prog in programs:
             prog.close()
     others = common.foreign_cpu(cpu_start)

@@ -1,5 +1,6 @@
 """Peers timed side by side in ONE process: interleaved rounds in a shuffled order after a warm-up (`measure`),
-or call by call for peers that share one engine (`measure_alternating`); each peer's `Stats`, and ratios paired
+call by call for peers that share one engine (`measure_alternating`), or as whole blocks of calls that cannot be
+timed one by one (`measure_blocks`: decode loops); each peer's `Stats`, and ratios paired
 round by round (`paired_ratio`, with a bootstrap interval). Why each choice: benchmarks/README.md, "How times are
 taken"."""
 
@@ -15,7 +16,7 @@ from typing import Any
 from harness.cpu import cpu_snapshot, foreign_cpu
 
 __all__ = ["Stats", "paired_ratio", "paired_difference_ms", "paired_interval", "measure", "measure_alternating",
-           "settle", "Stopwatch", "median"]
+           "measure_blocks", "settle", "Stopwatch", "median"]
 
 # `settle`: this process counts as quiet when it used under QUIET_CORES of a core over one window of SETTLE_WINDOW_S.
 # The CPU time of a thread running on another core is brought up to date at scheduler ticks, so a window much
@@ -200,6 +201,28 @@ def measure_alternating(peers: Mapping[str, Callable[[], Any]], *, budget_s: flo
     # round of a few calls; a burst lands on both calls of a pair alike, and the caller reports the whole run's.
     return measure(peers, budget_s=budget_s, min_rounds=50, max_rounds=20_000, warmup=10, min_inner=1,
                    max_inner=1, settle_s=None, prime=False, seed=seed, busy_threshold=float("inf"))
+
+
+def measure_blocks(blocks: Mapping[Any, Callable[[], Any]], calls: Mapping[Any, int] | int, *, rounds: int,
+                   seed: int = 0) -> dict[Any, list[float]]:
+    """ms per call of each block, `rounds` times: a block makes `calls` calls (per key, or the same for all) that
+    can only be timed together, such as a decode loop whose every token moves the KV cache. One untimed run of
+    each block first, then rounds in a shuffled order (seeded), each block after the process went quiet (`settle`)
+    and timed whole. Each list holds one figure per round, in round order, so lists pair round by round."""
+    per_block = calls if isinstance(calls, Mapping) else dict.fromkeys(blocks, calls)
+    times: dict[Any, list[float]] = {key: [] for key in blocks}
+    for fn in blocks.values():  # warm-up
+        fn()
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(blocks)
+        rng.shuffle(order)
+        for key in order:
+            settle()  # the previous block's threads idle first
+            start = time.perf_counter()
+            blocks[key]()
+            times[key].append((time.perf_counter() - start) / per_block[key] * 1e3)
+    return times
 
 
 class Stopwatch:
