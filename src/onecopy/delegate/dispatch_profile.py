@@ -139,8 +139,9 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
         if model.driver == "local-task":  # the engine's task executor: same worker count, same worker memory
             command += task_executor_flags("", model.workers)
         # A few calls unprofiled first: how many fit in `seconds` (a profile of a microsecond call would otherwise
-        # record millions of events).
-        estimate = _benchmark(command + [f"--benchmark_min_time={_PROBE_CALLS}x"], function)
+        # record millions of events). Two repetitions, the second read: the first calls of a process are cold.
+        estimate = _benchmark(command + [f"--benchmark_min_time={_PROBE_CALLS}x", "--benchmark_repetitions=2"],
+                              function, which=1)
         calls = min(max(round(seconds / (estimate / 1e3)), _MIN_CALLS), _MAX_CALLS)
         call_ms = _benchmark(command + [f"--benchmark_min_time={calls}x", f"--device_profiling_mode={_MODES}",
                                         f"--device_profiling_output={trace}"], function)
@@ -159,11 +160,11 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
                      call_ms=call_ms)
 
 
-def _benchmark(command: Sequence[str], function: str) -> float:
-    """Run iree-benchmark-module; the wall time of one call (ms)."""
+def _benchmark(command: Sequence[str], function: str, which: int = 0) -> float:
+    """Run iree-benchmark-module; the wall time of one call (ms) in its repetition `which`."""
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     try:
-        benchmark = json.loads(run.stdout)["benchmarks"][0] if run.returncode == 0 else None
+        benchmark = json.loads(run.stdout)["benchmarks"][which] if run.returncode == 0 else None
     except (ValueError, LookupError):
         benchmark = None
     if benchmark is None:
