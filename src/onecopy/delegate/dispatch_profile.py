@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from onecopy.delegate.cpus import worker_count
+from onecopy.delegate.engine import CPU_DRIVERS, task_executor_flags
 from onecopy.errors import DelegateError, InvalidArgument
 
 __all__ = ["DispatchProfile", "DispatchRow", "profile_model", "summarize", "tool"]
@@ -115,8 +117,6 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
     """Profile `function` of `model` (an onecopy.delegate.engine.LoadedModel) called on `inputs` for about
     `seconds` (at least 20 calls, at most 2000), on the model's own executor. Raises DelegateError with IREE's
     message if the run fails."""
-    from onecopy.delegate.engine import CPU_DRIVERS, task_executor_flags
-
     if model.driver not in CPU_DRIVERS:
         raise InvalidArgument(f"profiling covers IREE's CPU executors ({', '.join(CPU_DRIVERS)}); this model runs on "
                               f"{model.driver}")
@@ -136,8 +136,10 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
             f"--function={function}", *arguments, f"--device={model.driver}", "--device_allocator=caching",
             "--benchmark_format=json",
         ]
-        if model.driver == "local-task":  # the engine's task executor: same worker count, same worker memory
-            command += task_executor_flags("", model.workers)
+        # the engine's task executor: the same worker count and worker memory
+        workers = (model.workers or worker_count()) if model.driver == "local-task" else None
+        if workers is not None:
+            command += task_executor_flags("", workers)
         # A few calls unprofiled first: how many fit in `seconds` (a profile of a microsecond call would otherwise
         # record millions of events). Two repetitions, the second read: the first calls of a process are cold.
         estimate = _benchmark(command + [f"--benchmark_min_time={_PROBE_CALLS}x", "--benchmark_repetitions=2"],
@@ -155,9 +157,7 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
                 raise DelegateError(f"IREE's iree-profile could not read the profile of '{function}': "
                                     f"{read.stderr.strip()[-300:]}")
             lines += read.stdout.splitlines()
-    workers = _workers(command) if model.driver == "local-task" else None
-    return summarize(lines, function=function, driver=model.driver, workers=workers,
-                     call_ms=call_ms)
+    return summarize(lines, function=function, driver=model.driver, workers=workers, call_ms=call_ms)
 
 
 def _benchmark(command: Sequence[str], function: str, which: int = 0) -> float:
@@ -172,11 +172,6 @@ def _benchmark(command: Sequence[str], function: str, which: int = 0) -> float:
         raise DelegateError(f"IREE could not profile '{function}' (iree-benchmark-module exit {run.returncode}): "
                             + " / ".join(detail))
     return benchmark["real_time"] * {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}[benchmark["time_unit"]]
-
-
-def _workers(command: Sequence[str]) -> int | None:
-    counts = [flag.split("=", 1)[1] for flag in command if flag.startswith("--task_topology_group_count=")]
-    return int(counts[-1]) if counts else None
 
 
 def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int | None,
@@ -203,7 +198,7 @@ def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int 
     gaps: list[float] = []
     spans, busy, call_gaps, wakes = [], [], [], []
     prefix = f"{function}$async_"
-    for submission, events in ((e[0]["submission_id"], e) for e in calls):
+    for events in calls:
         for event in events:
             name = event.get("key") or f"function {event['function_ordinal']}"
             name = name.removeprefix(prefix)
@@ -214,8 +209,9 @@ def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int 
         call_gaps.append(sum(between))
         spans.append((events[-1]["end_host_time_ns"] - events[0]["start_host_time_ns"]) / 1e6)
         busy.append(sum(e["duration_ns"] for e in events) / 1e6)
-        if submission in executes:
-            wakes.append((events[0]["start_host_time_ns"] - executes[submission]) / 1e3)
+        ready = executes.get(events[0]["submission_id"])
+        if ready is not None:
+            wakes.append((events[0]["start_host_time_ns"] - ready) / 1e3)
     # A call as the loop saw it: from one call's first dispatch to the next one's (the benchmark's own mean
     # counts the warm-up calls too); with a single profiled call, the benchmark's figure.
     starts = [events[0]["start_host_time_ns"] for events in calls]
