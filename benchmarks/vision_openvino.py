@@ -95,7 +95,7 @@ def main() -> int:
     from onecopy import Runtime
     from onecopy.program import read_program
 
-    machine = run.describe_machine()
+    run.describe_machine()  # records the machine (torch threads etc.) in the results
     budget = 1.5 if run.quick else 8.0
     settings = rounds(run.quick)
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)

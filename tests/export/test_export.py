@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from onecopy import Runtime
-from onecopy.errors import ExportError, InvalidArgument, UnsupportedOperator
+from onecopy.errors import InvalidArgument, UnsupportedOperator
 from onecopy.export import CompileSpec, Partitioner, export_program
 from onecopy.program import read_program
 from onecopy.runtime import register_host_kernel
