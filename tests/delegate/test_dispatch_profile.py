@@ -116,3 +116,20 @@ def test_a_method_of_several_instructions_is_refused_with_the_way_out(tmp_path):
 def test_bad_seconds_are_refused(small_program_path):
     with Runtime().load_program(small_program_path) as program, pytest.raises(InvalidArgument, match="positive"):
         program.load_method("forward").profile(seconds=0)
+
+
+def test_a_destination_passing_method_with_dynamic_outputs_profiles_on_given_inputs(tmp_path):
+    # Its outputs are arguments of the engine function: profile sizes them from the inputs (T = 5: 10 and 4 rows).
+    class CatAndSlice(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x]) * 2, x[1:] + 1
+
+    ep = torch.export.export(CatAndSlice(), (torch.zeros(4, 8),),
+                             dynamic_shapes=({0: torch.export.Dim("T", min=3, max=64)},))
+    path = export_program({"forward": ep}, memory_planned_outputs=False).save(tmp_path / "dynamic.onecopy")
+    with Runtime().load_program(path) as program:
+        forward = program.load_method("forward")
+        profile = forward.profile([np.ones((5, 8), np.float32)], seconds=SECONDS)
+        assert profile.calls > 0 and profile.dispatches > 0
+        with pytest.raises(InvalidArgument, match="dynamic input shapes"):
+            forward.profile(seconds=SECONDS)

@@ -92,3 +92,57 @@ def test_unnamed_dynamic_dimension_is_named_by_its_input(mlp):
     ep = torch.export.export(mlp, (torch.zeros(4, 16),), dynamic_shapes=({0: torch.export.Dim.AUTO},))
     program = export_program({"forward": ep})
     assert program.definition.methods[0].input_specs[0].shape == ["x.shape[0]", 16]
+
+
+class CatAndSlice(torch.nn.Module):
+    """Outputs whose sizes are expressions of T: 2*T rows and T - 1 rows."""
+
+    def forward(self, x):
+        return torch.cat([x, x]) * 2, x[1:] + 1
+
+
+@pytest.fixture(scope="module")
+def unplanned_dynamic():
+    ep = torch.export.export(CatAndSlice(), (torch.zeros(4, 8),),
+                             dynamic_shapes=({0: torch.export.Dim("T", min=3, max=64)},))
+    with Runtime().load_program(export_program({"forward": ep}, memory_planned_outputs=False).to_bytes()) as loaded:
+        yield loaded.load_method("forward")
+
+
+def test_dynamic_outputs_storage_sized_from_the_inputs(unplanned_dynamic, rng):
+    forward = unplanned_dynamic
+    assert [o.shape for o in forward.method_meta.outputs] == [("2*T", 8), ("T - 1", 8)]
+    x = rng.standard_normal((5, 8), dtype=np.float32)
+    outs = [np.empty((10, 8), np.float32), np.empty((4, 8), np.float32)]
+    results = forward.execute([x], outs)
+    assert results[0] is outs[0] and results[1] is outs[1]
+    np.testing.assert_array_equal(outs[0], np.concatenate([x, x]) * 2)
+    np.testing.assert_array_equal(outs[1], x[1:] + 1)
+
+
+@pytest.mark.parametrize("shapes, bad, message", [
+    ([(9, 8), (4, 8)], 0, r"Output 0 of method 'forward' has shape \[9, 8\]; this call's inputs make it \[10, 8\] "
+                          r"\('2\*T' = 10\)"),
+    # One row too many: the engine would write 4 rows and return the fifth as it was.
+    ([(10, 8), (5, 8)], 1, r"Output 1 of method 'forward' has shape \[5, 8\]; this call's inputs make it \[4, 8\]"),
+])
+def test_dynamic_output_storage_of_another_size_is_refused_before_running(unplanned_dynamic, rng, shapes, bad,
+                                                                           message):
+    x = rng.standard_normal((5, 8), dtype=np.float32)
+    outs = [np.full(s, 7.0, np.float32) for s in shapes]
+    with pytest.raises(ExecutionError, match=message):
+        unplanned_dynamic.execute([x], outs)
+    assert all((o == 7.0).all() for o in outs)  # nothing written
+
+
+def test_memory_planned_dynamic_output_storage_is_checked_against_the_inputs(mlp, rng):
+    ep = torch.export.export(mlp, (torch.zeros(4, 16),), dynamic_shapes=({0: torch.export.Dim("T", max=64)},))
+    with Runtime().load_program(export_program({"forward": ep}).to_bytes()) as loaded:
+        forward = loaded.load_method("forward")
+        x = rng.standard_normal((5, 16), dtype=np.float32)
+        with pytest.raises(ExecutionError, match=r"Output 0 of method 'forward' has shape \[6, 4\]; this call's "
+                                                 r"inputs make it \[5, 4\] \('T' = 5\)"):
+            forward.execute([x], [np.empty((6, 4), np.float32)])
+        out = np.empty((5, 4), np.float32)
+        assert forward.execute([x], [out])[0] is out
+        np.testing.assert_allclose(out, eager(mlp, x)[0], rtol=1e-5, atol=1e-6)

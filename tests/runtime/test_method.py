@@ -9,6 +9,7 @@ import torch
 from onecopy import Runtime
 from onecopy.export import export_program
 from onecopy.errors import ExecutionError, InvalidArgument
+from onecopy.runtime.method_meta import dim_value
 from onecopy.program import DelegateDef, ProgramFile
 from onecopy.runtime import Backend, DelegateHandle, InitContext, register_backend
 from tests.conftest import eager
@@ -378,3 +379,14 @@ def test_example_inputs_have_the_inputs_shapes_and_are_valid_as_indices(forward)
         meta.example_inputs()
     ids, = MethodMeta("decode", meta.inputs[:1], (), (), ()).example_inputs()
     assert ids.dtype == np.int64 and not ids.any()  # token ids and positions: zeros, in range
+
+
+@pytest.mark.parametrize("dim, want", [
+    (7, 7), ("T", 5), ("2*T", 10), ("T - 1", 4), ("(T//2)", 2), ("Max(1, T - 6)", 1), ("Mod(T, 4)", 1),
+    ("CeilToInt(T/2)", 3), ("T**2", 25), ("S*T + 3", 38),
+    # Not worked out: an unknown symbol, a fraction, a huge power, a division by zero, anything but arithmetic.
+    ("U + 1", None), ("T/2", None), ("T**99", None), ("T//0", None), ("__import__('os').getpid()", None),
+    ("T.bit_length()", None), ("[T]", None), ("", None),
+])
+def test_dim_value_reads_the_expressions_a_header_writes_without_evaluating_python(dim, want):
+    assert dim_value(dim, {"T": 5, "S": 7}) == want

@@ -501,6 +501,9 @@ class EngineFunction:
         host = view.map().asarray(tuple(view.shape), dtype)
         stats.copied_out += host.nbytes
         if out is not None:
+            if out.shape != host.shape:  # copyto would broadcast a smaller result over the storage
+                raise ExecutionError(f"{self.model.where}: '{self.name}' returned {list(host.shape)}; the storage "
+                                     f"given for it is {list(out.shape)}.")
             np.copyto(out, host)  # through `out`'s strides: padded surface rows stay padded
             return out
         return np.array(host, copy=True)

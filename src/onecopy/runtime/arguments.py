@@ -12,7 +12,7 @@ import numpy as np
 
 from onecopy.errors import ExecutionError
 from onecopy.program import MethodDef
-from onecopy.runtime.method_meta import MethodMeta, TensorMeta
+from onecopy.runtime.method_meta import MethodMeta, TensorMeta, dim_value
 
 __all__ = ["as_array", "check_bounds", "check_inputs", "output_storage"]
 
@@ -66,13 +66,28 @@ def _check_tensor(
             raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
 
 
-def check_inputs(name: str, definition: MethodDef, meta: MethodMeta, inputs: Sequence[Any]) -> list[np.ndarray]:
+def _check_output(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str) -> None:
+    """An output's storage against its dtype and rank, and against the shape this call's inputs give it: a
+    dynamic output's storage sized for other inputs would be written in part (the rest left as it was) or
+    refused by the engine halfway through the call."""
+    _check_tensor(array, meta, {}, what)
+    want = [dim_value(d, symbols) for d in meta.shape]
+    if any(w is not None and w != given for w, given in zip(want, array.shape)):
+        sizes = ", ".join(f"'{d}' = {w}" for d, w in zip(meta.shape, want) if isinstance(d, str) and w is not None)
+        raise ExecutionError(
+            f"{what} has shape {list(array.shape)}; this call's inputs make it "
+            f"{[w if w is not None else d for w, d in zip(want, meta.shape)]} ({sizes}). Pass storage of that shape."
+        )
+
+
+def check_inputs(name: str, definition: MethodDef, meta: MethodMeta, inputs: Sequence[Any],
+                 symbols: dict[str, int] | None = None) -> list[np.ndarray]:
     """The inputs of method `name` as arrays, each checked against its dtype and shape (symbolic dimensions agree
-    across inputs and stay within their exported ranges)."""
+    across inputs and stay within their exported ranges). `symbols` receives the dynamic dimensions' sizes."""
     _check_list(inputs, f"Method '{name}' takes its inputs", "execute([x, ...])")
     if len(inputs) != len(meta.inputs):
         raise ExecutionError(f"Method '{name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
-    symbols: dict[str, int] = {}
+    symbols = {} if symbols is None else symbols
     arrays = []
     for i, (value, tmeta) in enumerate(zip(inputs, meta.inputs)):
         what = f"Input {i} of method '{name}'"
@@ -87,10 +102,11 @@ def _unplanned(name: str, index: int) -> str:
             "memory_planned_outputs=False); pass its storage with outputs=[...].")
 
 
-def output_storage(name: str, definition: MethodDef, meta: MethodMeta,
-                   outputs: Sequence[Any] | None) -> dict[int, np.ndarray]:
+def output_storage(name: str, definition: MethodDef, meta: MethodMeta, outputs: Sequence[Any] | None,
+                   symbols: dict[str, int] | None = None) -> dict[int, np.ndarray]:
     """The caller's output storage of method `name` by value id, checked: writable arrays of each output's dtype
-    and shape. Outputs that are not memory planned must be given."""
+    and shape, a dynamic output's shape as the inputs' `symbols` (check_inputs') make it. Outputs that are not
+    memory planned must be given."""
     if outputs is None:
         unplanned = next((i for i, o in enumerate(meta.outputs) if not o.memory_planned), None)
         if unplanned is not None:
@@ -117,7 +133,7 @@ def output_storage(name: str, definition: MethodDef, meta: MethodMeta,
         array = as_array(out, what)
         if not array.flags.writeable:
             raise ExecutionError(f"{what} is read-only; pass writable storage.")
-        _check_tensor(array, tmeta, {}, what)
+        _check_output(array, tmeta, symbols or {}, what)
         if vid in storage:  # one value returned twice: the second copy is made at the end
             continue
         storage[vid] = array

@@ -298,8 +298,17 @@ class Method:
                 f"Method '{self.name}' runs as {len(self._definition.instructions)} instructions "
                 f"({', '.join(self._meta.instructions)}); profile covers a method that runs as one delegate call. "
                 "Export it without skip_ops to profile its engine function.")
-        values, _ = self._arguments(self._meta.example_inputs() if inputs is None else inputs, None)
-        outputs = [np.zeros(t.shape, t.dtype) for t in self._meta.outputs if not t.is_dynamic]
+        inputs = self._meta.example_inputs() if inputs is None else inputs
+        symbols: dict[str, int] = {}
+        check_inputs(self.name, self._definition, self._meta, inputs, symbols)
+        outputs = []  # storage for a destination-passing function's outputs, sized for these inputs
+        for i, t in enumerate(self._meta.outputs):
+            shape = t.shape_for(symbols)
+            if shape is None:
+                raise InvalidArgument(f"Output {i} of method '{self.name}' has shape {list(t.shape)}, which its "
+                                      "inputs do not determine; profile cannot size its storage.")
+            outputs.append(np.zeros(shape, t.dtype))
+        values, _ = self._arguments(inputs, outputs)
         return self._delegates[whole.delegate].profile([values[v] for v in whole.inputs], outputs, seconds)
 
     def prepare(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
@@ -325,11 +334,12 @@ class Method:
         self._check_open()
         definition = self._definition
         values: list[Any] = [None] * definition.num_values
-        for vid, array in zip(definition.inputs, check_inputs(self.name, definition, self._meta, inputs)):
+        symbols: dict[str, int] = {}
+        for vid, array in zip(definition.inputs, check_inputs(self.name, definition, self._meta, inputs, symbols)):
             values[vid] = array
         for vid, constant in self._constants.items():
             values[vid] = constant
-        return values, output_storage(self.name, definition, self._meta, outputs)
+        return values, output_storage(self.name, definition, self._meta, outputs, symbols)
 
     def _results(self, values: list[Any], storage: dict[int, np.ndarray], outputs: Sequence[Any] | None,
                  stats: CopyStats) -> list[np.ndarray]:
@@ -337,6 +347,9 @@ class Method:
         for vid, out in zip(self._definition.outputs, outputs or [None] * len(self._definition.outputs)):
             result = values[vid]
             if out is not None and result is not storage.get(vid):
+                if result.shape != storage[vid].shape:  # copyto would broadcast a smaller result
+                    raise ExecutionError(f"Output {len(results)} of method '{self.name}' came out "
+                                         f"{list(result.shape)}; the storage given is {list(storage[vid].shape)}.")
                 np.copyto(storage[vid], result)
                 stats.copied_out += result.nbytes
                 result = storage[vid]

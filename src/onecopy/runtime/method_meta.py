@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ast
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 import numpy as np
@@ -11,7 +14,62 @@ import numpy as np
 from onecopy.errors import InvalidArgument
 from onecopy.program import DelegateCall, HostOp, MethodDef, ProgramDef, TensorSpec
 
-__all__ = ["TensorMeta", "DelegateMeta", "Choice", "MethodMeta"]
+__all__ = ["TensorMeta", "DelegateMeta", "Choice", "MethodMeta", "dim_value"]
+
+# The functions torch's symbolic shapes print in a dimension's expression (sympy's str of it: "2*b", "b - 1",
+# "(b//2)", "Max(1, b)", "Mod(b, 4)", "CeilToInt(b/2)"), each on exact integers or fractions.
+_DIM_FUNCTIONS: dict[str, Callable[..., Fraction | int]] = {
+    "Max": max, "Min": min, "Abs": abs,
+    "Mod": lambda a, b: a % b, "PythonMod": lambda a, b: a % b,
+    "FloorDiv": lambda a, b: a // b, "CleanDiv": lambda a, b: a // b,
+    "floor": math.floor, "FloorToInt": math.floor, "ceiling": math.ceil, "CeilToInt": math.ceil,
+    "TruncToInt": math.trunc,
+}
+_DIM_OPERATORS: dict[type, Callable[[Fraction, Fraction], Fraction | int]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: Fraction(a) / b, ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+}
+
+
+def dim_value(dim: int | str, symbols: Mapping[str, int]) -> int | None:
+    """The size of dimension `dim` (an int, a symbol, or an expression of symbols as the program's header writes
+    it) once `symbols` are known; None when it names a symbol not in `symbols` or is not an expression read here.
+    Parsed, never evaluated as Python: the header comes from a file."""
+    if isinstance(dim, int):
+        return dim
+    if dim in symbols:
+        return symbols[dim]
+
+    def value(node: ast.AST) -> Fraction | int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in symbols:
+            return symbols[node.id]
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and type(node.op) in _DIM_OPERATORS:
+            right = value(node.right)
+            if right == 0 and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
+                raise ValueError("division by zero")
+            return _DIM_OPERATORS[type(node.op)](value(node.left), right)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            exponent = value(node.right)
+            if exponent not in range(0, 9):  # a dimension squared or cubed; nothing a header needs beyond
+                raise ValueError("exponent out of range")
+            return value(node.left) ** int(exponent)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _DIM_FUNCTIONS
+                and not node.keywords):
+            return _DIM_FUNCTIONS[node.func.id](*(value(a) for a in node.args))
+        raise ValueError(f"not a dimension expression: {ast.dump(node)}")
+
+    try:
+        result = value(ast.parse(dim, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, ZeroDivisionError, RecursionError):
+        return None
+    if isinstance(result, Fraction):
+        return int(result) if result.denominator == 1 else None
+    return int(result)
 
 
 @dataclass(frozen=True)
@@ -27,6 +85,12 @@ class TensorMeta:
     @property
     def is_dynamic(self) -> bool:
         return any(isinstance(d, str) for d in self.shape)
+
+    def shape_for(self, symbols: Mapping[str, int]) -> tuple[int, ...] | None:
+        """The shape once the dynamic dimensions' symbols are known (from a call's inputs); None when a dimension
+        cannot be worked out from them."""
+        shape = tuple(dim_value(d, symbols) for d in self.shape)
+        return None if None in shape else shape  # type: ignore[return-value]
 
     @property
     def nbytes(self) -> int | None:
