@@ -240,7 +240,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise InvalidArgument("--input is for one method: name it with --method.")
     options = {"IreeBackend": {"executor": args.executor}} if args.executor else None
     profiles = {}
-    with Runtime(cache_dir=args.cache_dir).load_program(args.file, backend_options=options) as program:
+    with Runtime(cache_dir=args.cache_dir).load_program(args.file, backend_options=options,
+                                                        precision=args.precision) as program:
         for name in args.method or program.method_names:
             profile = program.load_method(name).profile(inputs, seconds=args.seconds)
             profiles[name] = profile
@@ -369,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".npy file per input, in order, for one --method (default: random inputs of its shapes)")
     p.add_argument("--executor", choices=("auto", "parallel", "inline"),
                    help="run on IREE's task workers or the calling thread (default: what the load picks)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="the compute precision to load it in (bf16: CPUs with native bf16)")
     p.add_argument("--top", type=int, default=20, help="dispatches listed per method, the slowest first")
     p.add_argument("--json", action="store_true", help="print the profiles as JSON")
     p.add_argument("--cache-dir", help="the specialization cache (default: $ONECOPY_CACHE_DIR or the user cache dir)")
