@@ -191,6 +191,9 @@ def describe_tuning(tuning: dict[str, Any] | None) -> str:
         trials.append(f"{trial['name']} {shown}")
     budget = f" of a {tuning['budget_s']:.1f} s budget" if tuning.get("budget_s") is not None else ""
     note = "".join(f"; {tuning[key]}" for key in ("note", "order") if tuning.get(key))
+    if tuning.get("chosen_precision", tuning.get("precision")) != tuning.get("precision"):
+        note += (f"; {tuning['precision']} allowed, {tuning['chosen_precision']} measured faster here: runs in "
+                 f"{tuning['chosen_precision']}")
     return (f"tuned: chose {tuning['chosen']} in {tuning.get('elapsed_s', 0):.1f} s{budget} "
             f"({'; '.join(trials)}){note}")
 

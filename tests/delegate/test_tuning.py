@@ -11,6 +11,7 @@ import onecopy.delegate.specialize as specialize_module
 import onecopy.delegate.tuning as tuning
 from onecopy import Runtime
 from onecopy.cli import main as cli
+from onecopy.inspect import describe_tuning
 from onecopy.delegate.compiler import compile_bundle
 from onecopy.delegate.precision import native_bf16_flags, precision_flags
 from onecopy.delegate.targets import cpu_flags
@@ -323,14 +324,61 @@ def test_bf16_tunes_bf16_candidates_against_the_bf16_default(conv_program, conv_
     program = Runtime(cache_dir=tmp_path).load_program(conv_program, precision="bf16")
     (y,) = program.load_method("forward").execute([X])
     program.close()
-    assert semantic == [precision_flags("bf16")] * len(tuning.CANDIDATES)
+    # The lead candidate is also tried in fp32, second (tuning.with_fp32); every other build is in bf16.
+    bf16, fp32 = precision_flags("bf16"), precision_flags("fp32")
+    assert semantic == [bf16, fp32] + [bf16] * (len(tuning.CANDIDATES) - 1)
     (meta,) = entry_meta(tmp_path)
     assert meta["precision"] == "bf16" and meta["tuning"]["precision"] == "bf16"
+    assert [c.get("precision") for c in meta["tuning"]["candidates"]][:2] == [None, "fp32"]
     # Every candidate agrees with the bf16 default within bf16's tolerance: none is thrown out as a wrong answer.
-    assert [c["error"] for c in meta["tuning"]["candidates"]] == [None] * len(tuning.CANDIDATES)
+    assert [c["error"] for c in meta["tuning"]["candidates"]] == [None] * (len(tuning.CANDIDATES) + 1)
     want = conv_model(torch.from_numpy(X)).detach().numpy()
     error = float(np.abs(y - want).max())
-    assert 1e-5 * np.abs(want).max() < error < 2e-2 * np.abs(want).max()
+    if meta["tuning"]["chosen_precision"] == "bf16":
+        assert 1e-5 * np.abs(want).max() < error < 2e-2 * np.abs(want).max()
+    else:
+        assert error < 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not any(f in cpu_flags() for f in native_bf16_flags()), reason="no native bf16 on this CPU")
+@pytest.mark.parametrize("faster", ["fp32", "bf16"])
+def test_bf16_runs_in_fp32_only_where_fp32_measures_faster(conv_program, conv_model, tmp_path, monkeypatch, faster):
+    # Each candidate's timing as if `faster`'s builds took half the time of the others'.
+    monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)
+    last: list[str] = []
+    real_compile, real_time = specialize_module.compile_with_encoder, tuning._time
+
+    def recording(*args, **kwargs):
+        last[:] = ["fp32" if tuple(kwargs.get("semantic_flags", ())) == precision_flags("fp32") else "bf16"]
+        return real_compile(*args, **kwargs)
+
+    def timed(runner, calls, budget_s):
+        outputs, _ = real_time(runner, calls, budget_s)
+        return outputs, 0.5 if last[0] == faster else 1.0
+
+    monkeypatch.setattr(specialize_module, "compile_with_encoder", recording)
+    monkeypatch.setattr(tuning, "_time", timed)
+    program = Runtime(cache_dir=tmp_path).load_program(conv_program, precision="bf16")
+    (y,) = program.load_method("forward").execute([X])
+    program.close()
+    (meta,) = entry_meta(tmp_path)
+    assert meta["precision"] == "bf16" and meta["tuning"]["chosen_precision"] == faster
+    want = conv_model(torch.from_numpy(X)).detach().numpy()
+    error, scale = float(np.abs(y - want).max()), float(np.abs(want).max())
+    assert (error < 1e-5 * scale) if faster == "fp32" else (1e-5 * scale < error < 2e-2 * scale)
+    described = describe_tuning(meta["tuning"])
+    assert ("bf16 allowed, fp32 measured faster here: runs in fp32" in described) == (faster == "fp32")
+
+
+def test_a_precision_other_than_fp32_also_tries_the_lead_candidate_in_fp32_second():
+    options = [DEFAULT, tuning.CHANNELS_LAST_DATA_TILING, tuning.CHANNELS_LAST]
+    assert tuning.with_fp32(options, "fp32") == options
+    assert tuning.with_fp32([DEFAULT], "bf16") == [DEFAULT]  # nothing to choose between: not tuned
+    widened = tuning.with_fp32(options, "bf16")
+    assert [c.name for c in widened] == ["default", "channels-last+conv-data-tiling in fp32",
+                                         "channels-last+conv-data-tiling", "channels-last"]
+    assert widened[1].flags == tuning.CHANNELS_LAST_DATA_TILING.flags and widened[1].precision == "fp32"
+    assert [c.precision for c in widened[2:]] == [None, None]
 
 
 def test_signatures_read_shapes_with_dynamic_dimensions_from_the_bundle():

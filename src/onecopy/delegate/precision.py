@@ -7,6 +7,9 @@ inputs of contractions (matmuls, convolutions) to bf16, accumulating in f32
 naming the missing feature. It is never the default: the answers differ from fp32 by bf16 rounding (~1e-3
 relative per layer).
 
+bf16 allows bf16 rather than forcing it: a tuned module also tries its lead configuration in fp32
+(onecopy.delegate.tuning.with_fp32) and runs in fp32 where that measures faster, as on a Xeon whose bf16 dot
+products are no faster than its fp32 FMAs.
 A different precision is different code: the flags are part of the cache key's features, so fp32 and bf16
 specializations of one program coexist in the cache.
 

@@ -48,7 +48,7 @@ from onecopy.delegate.manifest import PARAMETER_SCOPE, STATE_FUNCTIONS, Function
 from onecopy.delegate.precision import precision_flags, without_droppable
 from onecopy.delegate.targets import CPU_EXECUTORS, Target
 from onecopy.delegate.tuning import (
-    DEFAULT, Candidate, Runner, Signature, Tuning, example_inputs, plan, signatures,
+    DEFAULT, Candidate, Runner, Signature, Tuning, example_inputs, plan, signatures, with_fp32,
 )
 from onecopy.delegate.tuning import tune as tuned
 from onecopy.errors import DelegateError
@@ -206,8 +206,8 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
                state_zeros: Mapping[str, int] | None = None) -> Specialization:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
     bundle becomes code. `tune`: try the configurations of `onecopy.delegate.tuning` and keep the fastest.
-    `precision` (onecopy.delegate.precision): every candidate is compiled in it, and tuning checks each against
-    the default candidate in the same precision. On a CPU target, each function of the result is then timed on
+    `precision` (onecopy.delegate.precision): every candidate is compiled in it (but the fp32 one
+    `tuning.with_fp32` adds in bf16), and tuning checks each against the default candidate in that precision. On a CPU target, each function of the result is then timed on
     both executors (onecopy.delegate.executors); `state_zeros` serves the module's state (parameter -> bytes,
     zeros) to those calls.
 
@@ -216,9 +216,9 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     """
     _check_allowed(where)
     with_encoder = wants_encoder(bool(parameters), target)
-    semantic = precision_flags(precision)
 
     def build(candidate: Candidate) -> Specialization:
+        semantic = precision_flags(candidate.precision or precision)
         try:
             compiled = compile_with_encoder(source, target, for_host=True, where=where, with_encoder=with_encoder,
                                             scratch=scratch, flags=candidate.flags, fallback=candidate == DEFAULT,
@@ -253,6 +253,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
     if not tune:
         return build(DEFAULT)
     options, order = plan(source)
+    options = with_fp32(options, precision)  # bf16 allows bf16: kept where it measures faster (with_fp32 says why)
     if len(options) == 1:  # nothing to choose between: no model to load and time, the first load costs no more
         made = build(DEFAULT)
         made.tuning = Tuning(DEFAULT, note=order, precision=precision).record()  # plan's ONE_CONFIGURATION

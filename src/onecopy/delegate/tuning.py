@@ -41,7 +41,7 @@ __all__ = ["BATCH_MATMULS", "BUDGET_FACTOR", "CANDIDATES", "CHANNELS_LAST", "CHA
            "DEFAULT", "NO_UKERNELS",
            "ONE_CONFIGURATION", "RTOL", "RTOL_BY_PRECISION", "Build", "Candidate", "Runner", "Signature",
            "Tuning", "candidates", "deep_convolution_share", "has_batch_matmul", "has_convolution",
-           "has_depthwise_nhwc", "plan", "signatures", "tune"]
+           "has_depthwise_nhwc", "plan", "signatures", "tune", "with_fp32"]
 
 log = logging.getLogger("onecopy")
 
@@ -57,10 +57,15 @@ _MIN_GAIN = 0.03
 
 @dataclass(frozen=True)
 class Candidate:
-    """A compiler configuration: today's flags plus `flags`."""
+    """A compiler configuration: today's flags plus `flags`, in the specialization's precision, or in
+    `precision` when set (`in_fp32`)."""
 
     name: str
     flags: tuple[str, ...] = ()
+    precision: str | None = None
+
+    def in_fp32(self) -> "Candidate":
+        return Candidate(f"{self.name} in fp32", self.flags, "fp32")
 
 
 DEFAULT = Candidate("default")
@@ -182,6 +187,22 @@ def plan(source: bytes | memoryview) -> tuple[list[Candidate], str]:
     depthwise = " and depthwise_nhwc convolutions" if CHANNELS_LAST_PAD_FUSION in leads else ""
     return [first, *rest], (f"{share:.0%} of the multiply-adds in dense convolutions over >= {DEEP_CHANNELS} "
                             f"channels{depthwise}: tried {rest[0].name} first" if rest else "")
+
+
+def with_fp32(options: list[Candidate], precision: str) -> list[Candidate]:
+    """`options` for a specialization in `precision`, with the lead candidate (the first after the default) also
+    tried in fp32, second, when `precision` is not fp32 and there is something to choose between.
+
+    precision="bf16" allows bf16, for speed: where the CPU's bf16 dot products are no faster than its fp32 FMAs
+    (a Xeon with AMX, Sapphire Rapids class: VDPBF16PS issues on one port, FMA on two, and IREE has no AMX
+    kernels), the demotions, im2col in bf16 and the packing of bf16 activations are pure cost. Measured there,
+    ResNet-18 B=1: fp32 tuned 22.7 ms, bf16 tuned 50.5 ms (its 49x4608 @ 4608x512 matmuls 4.0 ms against 1.5 in
+    fp32, each activation's demotion and packing a dispatch of its own); MobileNetV3-small 3.3 vs 5.9 ms. Where
+    bf16 pays (the built-in MLP here: B=1 1.05 -> 0.88 ms, memory-bound; Zen 4's 2x faster bf16 dot products)
+    the bf16 candidates win the timing, as before. Second, not last: the budget often leaves room for two."""
+    if precision == "fp32" or len(options) < 2:
+        return options
+    return [options[0], options[1].in_fp32(), *options[1:]]
 
 
 _MATMULS = {"torch.aten.mm": 0, "torch.aten.bmm": 0, "torch.aten.matmul": 0, "torch.aten.addmm": 1,
@@ -309,7 +330,8 @@ class Trial:
 
     def record(self) -> dict[str, Any]:
         return {"name": self.candidate.name, "flags": list(self.candidate.flags), "build_s": self.build_s,
-                "latency_ms": self.latency_ms, "error": self.error}
+                "latency_ms": self.latency_ms, "error": self.error,
+                **({"precision": self.candidate.precision} if self.candidate.precision else {})}
 
 
 @dataclass
@@ -321,11 +343,12 @@ class Tuning:
     elapsed_s: float = 0.0
     budget_s: float | None = None
     note: str = ""
-    precision: str = "fp32"  # every candidate's, the reference's included
+    precision: str = "fp32"  # the specialization's: the reference's, and every candidate's but `in_fp32` ones
     order: str = ""  # why the candidates were tried in their order (`plan`)
 
     def record(self) -> dict[str, Any]:
         return {"chosen": self.chosen.name, "flags": list(self.chosen.flags), "precision": self.precision,
+                "chosen_precision": self.chosen.precision or self.precision,
                 "elapsed_s": round(self.elapsed_s, 3),
                 "budget_s": None if self.budget_s is None else round(self.budget_s, 3), "note": self.note,
                 "order": self.order,
@@ -377,8 +400,9 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
          options: list[Candidate] | None = None, precision: str = "fp32", order: str = "",
          release: Callable[[Any], None] | None = None) -> tuple[Any, Tuning]:
     """Build `source` in each candidate configuration (`options` in their order, default `plan(source)`), keep
-    the fastest whose results agree with the default's. `precision`: what `build` compiles every candidate in (the
-    default included, so the reference is in it too); it sets the tolerance (RTOL_BY_PRECISION). `order`: why the
+    the fastest whose results agree with the default's. `precision`: what `build` compiles every candidate in unless the
+    candidate names its own (the default does not, so the reference is in it); it sets the tolerance
+    (RTOL_BY_PRECISION). `order`: why the
     options are in their order, for the record. `release(made)` is called on what `build` made for a candidate as
     soon as it is out of the running, so that no more than two candidates' code and encoded weights are held at
     once (an LLM's weights are its size again per candidate). Returns what `build` made for the chosen one, and
