@@ -50,8 +50,8 @@ def cache_entries(cache_dir: Path) -> set[str]:
 
 def specializations(path: Path, cache_dir: Path) -> dict[str, dict[str, str]]:
     """How this machine specialized the program at `path` (from its cache entries), per precision: the
-    configuration tuning kept, with each candidate's latency, and each function's figures on both CPU executors
-    (what a load picked from). The reason a ratio is what it is."""
+    configuration tuning kept, with each candidate's latency, each function's figures on both CPU executors
+    (what a load picked from), and the precision its code runs in. The reason a ratio is what it is."""
     from onecopy.delegate.executors import describe
     from onecopy.inspect import describe_tuning, specializations as entries_of
     from onecopy.program import read_program
@@ -61,7 +61,9 @@ def specializations(path: Path, cache_dir: Path) -> dict[str, dict[str, str]]:
         hashes = [d.manifest["export_hash"] for d in loaded.definition.delegates if "export_hash" in d.manifest]
     finally:
         loaded.close()
-    return {entry.precision: {"tuning": describe_tuning(entry.tuning), "executors": describe(entry.executors)}
+    # runs_in: the precision the code runs in (precision="bf16" runs fp32 where tuning measured fp32 faster).
+    return {entry.precision: {"tuning": describe_tuning(entry.tuning), "executors": describe(entry.executors),
+                              "runs_in": (entry.tuning or {}).get("chosen_precision", entry.precision)}
             for entries in entries_of(hashes, cache_dir).values() for entry in entries}
 
 
