@@ -55,6 +55,17 @@ def test_summarize_reads_each_dispatch_the_gaps_and_the_wake():
     assert json.loads(json.dumps(profile.to_dict()))["rows"][1]["name"].startswith("_encoding_0")
 
 
+def test_a_call_of_several_submissions_is_read_as_one_call():
+    # 10 calls of 2 submissions each (the events of 20 one-submission calls, paired), 1 ms apart.
+    profile = summarize(_events(20), function="main", driver="local-task", workers=2, call_ms=2.0, calls_run=10)
+    assert profile.calls == 8 and profile.dispatches == 4
+    assert [r.per_call for r in profile.rows] == [2.0, 2.0]
+    assert profile.dispatch_ms == pytest.approx(0.16)
+    assert profile.call_ms == pytest.approx(2.0)
+    # Knowing nothing of the calls, each submission reads as one.
+    assert summarize(_events(20), function="main", driver="local-task", workers=2, call_ms=2.0).calls == 16
+
+
 def test_summarize_without_dispatches_is_an_error():
     with pytest.raises(DelegateError, match="no dispatch of 'main'"):
         summarize([json.dumps({"type": "queue_summary"})], function="main", driver="local-sync", workers=None,

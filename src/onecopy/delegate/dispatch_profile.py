@@ -157,7 +157,8 @@ def profile_model(model: Any, function: str, inputs: Sequence[np.ndarray], *, se
                 raise DelegateError(f"IREE's iree-profile could not read the profile of '{function}': "
                                     f"{read.stderr.strip()[-300:]}")
             lines += read.stdout.splitlines()
-    return summarize(lines, function=function, driver=model.driver, workers=workers, call_ms=call_ms)
+    return summarize(lines, function=function, driver=model.driver, workers=workers, call_ms=call_ms,
+                     calls_run=calls)
 
 
 def _benchmark(command: Sequence[str], function: str, which: int = 0) -> float:
@@ -175,10 +176,13 @@ def _benchmark(command: Sequence[str], function: str, which: int = 0) -> float:
 
 
 def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int | None,
-              call_ms: float) -> DispatchProfile:
+              call_ms: float, calls_run: int | None = None) -> DispatchProfile:
     """The profile from what IREE's profiler recorded, as `iree-profile --format=jsonl` prints it: the calls'
     `queue_event`s (`queue`) and the `host_dispatch_event`s (`dispatch --dispatch_events`); other lines are
-    skipped. `call_ms`: the benchmark's wall time per call, used where one call alone was profiled."""
+    skipped. `call_ms`: the benchmark's wall time per call, used where one call alone was profiled. `calls_run`:
+    how many calls the benchmark made, when known: a function whose call is several submissions (the engine
+    waits on the host between them, as at a `util.optimization_barrier` or a size read back) has that many
+    times more, and its consecutive submissions make one call."""
     executes: dict[int, int] = {}  # submission -> when it was ready to run (ns)
     by_submission: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
@@ -190,6 +194,10 @@ def summarize(lines: Iterable[str], *, function: str, driver: str, workers: int 
             by_submission[record["submission_id"]].append(record)
     calls = [sorted(events, key=lambda e: e["start_host_time_ns"])
              for _, events in sorted(by_submission.items())]
+    per_call = len(calls) // calls_run if calls_run else 1
+    if per_call > 1:  # counted from the last call: a remainder in front is the tool's warm-up
+        calls = [[e for events in calls[i:i + per_call] for e in events]
+                 for i in range(len(calls) % per_call, len(calls), per_call)]
     calls = calls[int(len(calls) * _WARMUP_SHARE):]
     if not calls:
         raise DelegateError(f"IREE's profiler recorded no dispatch of '{function}'")
