@@ -143,6 +143,16 @@ def isolated_cache(tmp_path_factory):
         os.environ["ONECOPY_CACHE_DIR"] = previous
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Executor calibration in this process reads the machine as quiet (other processes' CPU 0): a restore times
+    figures made while others took the cores again (onecopy.delegate.executors.measured_busy), and whether a test
+    run shares its machine is no test's business. Tests of that behaviour set `_machine_busy_s` themselves."""
+    import onecopy.delegate.executors as executors
+
+    monkeypatch.setattr(executors, "_machine_busy_s", lambda: 0.0)
+
+
 @pytest.fixture
 def surfaces():
     """Surface.create that closes and unlinks everything it made after the test."""

@@ -1,6 +1,7 @@
 """Executor calibration: each function timed on IREE's workers and on the calling thread at specialization, the
 faster one picked at every load (backend option executor="auto", the default), the user's choice kept."""
 
+import itertools
 import json
 import time
 
@@ -395,3 +396,66 @@ def test_a_restored_entry_timed_with_another_caller_wait_is_timed_again_once(sma
         assert again["caller_wait"] == executors.caller_wait_mode() and again["measured"] > 1
         assert picked == {"forward": {"inline": "local-sync", "parallel": "local-task"}[choose(again, ["main"])]}
         caplog.clear()
+
+
+def test_measured_busy_reads_the_others_share_and_the_retimes():
+    figures = {"parallel_ms": 1.0, "inline_ms": 0.9}
+    busy = {"functions": {"f": figures}, "workers": 2, "other_cpu": 0.8}
+    assert executors.measured_busy(busy, 2)
+    assert not executors.measured_busy({**busy, "other_cpu": 0.3}, 2)
+    assert not executors.measured_busy({**busy, "busy_retimes": executors.BUSY_RETIMES}, 2)
+    assert executors.measured_busy({**busy, "busy_retimes": executors.BUSY_RETIMES - 1}, 2)
+    assert not executors.measured_busy(busy, 4)  # another number of workers: not used at all
+    assert not executors.measured_busy({**busy, "functions": {}}, 2) and not executors.measured_busy(None, 2)
+    assert not executors.measured_busy({"functions": {"f": figures}, "workers": 2}, 2)  # a record that says nothing
+
+
+def _busy_entry(small_program_path, cache_dir, monkeypatch):
+    """A cache entry for the small program whose executor figures say others took 1.5 cores meanwhile."""
+    with Runtime(cache_dir=cache_dir).load_program(small_program_path) as program:
+        program.load_method("forward")
+    (entry,) = (cache_dir / "v1" / "entries").iterdir()
+    meta = json.loads((entry / "entry.json").read_text())
+    (entry / "entry.json").write_text(json.dumps({**meta, "executors": {**meta["executors"], "other_cpu": 1.5}}))
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # restored, never compiled again
+
+
+def _timed_again(small_program_path, cache_dir, caplog) -> int:
+    import logging
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="onecopy"):
+        with Runtime(cache_dir=cache_dir).load_program(small_program_path) as program:
+            program.load_method("forward")
+    return sum("timed while other processes took" in r.message for r in caplog.records)
+
+
+def test_figures_timed_on_a_busy_machine_are_timed_again_until_quiet(small_program_path, tmp_path, monkeypatch,
+                                                                       caplog):
+    _busy_entry(small_program_path, tmp_path, monkeypatch)
+    monkeypatch.setattr(executors, "_machine_busy_s", lambda: 0.0)  # nobody else runs while it times again
+    assert _timed_again(small_program_path, tmp_path, caplog) == 1
+    record = entry_executors(tmp_path)
+    assert record["other_cpu"] == 0 and record["busy_retimes"] == 1
+    assert _timed_again(small_program_path, tmp_path, caplog) == 0  # quiet figures now: kept
+
+
+def test_a_machine_that_stays_busy_times_them_again_at_most_busy_retimes_times(small_program_path, tmp_path,
+                                                                               monkeypatch, caplog):
+    _busy_entry(small_program_path, tmp_path, monkeypatch)
+    clock = itertools.count(0.0, 100.0)  # others take 100 core-seconds between two reads: always busy
+    monkeypatch.setattr(executors, "_machine_busy_s", lambda: next(clock))
+    for load in range(executors.BUSY_RETIMES + 1):
+        assert _timed_again(small_program_path, tmp_path, caplog) == (1 if load < executors.BUSY_RETIMES else 0)
+        assert entry_executors(tmp_path)["busy_retimes"] == min(load + 1, executors.BUSY_RETIMES)
+
+
+def test_the_machines_busy_time_counts_this_process_too(monkeypatch):
+    monkeypatch.undo()  # the real /proc/stat reading, not the quiet machine of tests/conftest.py
+    before = executors._machine_busy_s()
+    if before is None:
+        pytest.skip("no /proc/stat on this system: calibration records no other_cpu here")
+    spin = time.process_time() + 0.3
+    while time.process_time() < spin:
+        pass
+    assert executors._machine_busy_s() - before >= 0.2  # our own 0.3 s of CPU, as every core's busy time reads it

@@ -16,7 +16,7 @@ from onecopy.delegate.cache import CacheEntry
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.dispatch_profile import profile_model
 from onecopy.delegate.engine import EngineFunction, LoadedModel
-from onecopy.delegate.executors import caller_wait_mode, choose, merge, stale
+from onecopy.delegate.executors import BUSY_RETIMES, caller_wait_mode, choose, measured_busy, merge, stale
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
 from onecopy.delegate.model_set import ModelSet
@@ -62,11 +62,13 @@ def _code(context: InitContext, key: str, what: str) -> memoryview:
 
 def _recalibrated(context: InitContext, resolved: Resolved, entry: CacheEntry, code: bytes | memoryview,
                   encoded: Mapping[str, memoryview], parameters: Mapping[str, memoryview],
-                  state_zeros: Mapping[str, int], serves: Sequence[str] | None) -> dict | None:
-    """Backend option `recalibrate`, or figures timed with the calling thread waiting otherwise (`executors.stale`):
-    time the functions this load serves (all of the module's for a shared model) on both CPU executors again, and
-    keep the figures in the restored entry, beside those other loads measured (onecopy.delegate.executors.merge).
-    Returns the record this load picks its executor from."""
+                  state_zeros: Mapping[str, int], serves: Sequence[str] | None,
+                  busy_retimes: int | None = None) -> dict | None:
+    """Backend option `recalibrate`, figures timed with the calling thread waiting otherwise (`executors.stale`)
+    or while other processes took the cores (`executors.measured_busy`; `busy_retimes`: how many times that has
+    been timed again, this time included): time the functions this load serves (all of the module's for a shared
+    model) on both CPU executors again, and keep the figures in the restored entry, beside those other loads
+    measured (onecopy.delegate.executors.merge). Returns the record this load picks its executor from."""
     manifest, where = resolved.manifest, context.where
     try:
         if manifest.packaging == "vmfb":
@@ -80,6 +82,8 @@ def _recalibrated(context: InitContext, resolved: Resolved, entry: CacheEntry, c
     record = recalibrate(code, found, encoded, parameters, resolved.target, where, state_zeros)
     if not record.get("functions"):  # nothing could be timed: keep what the entry says
         return entry.executors
+    if busy_retimes is not None:
+        record["busy_retimes"] = busy_retimes
     assert resolved.cache is not None and resolved.cache_key is not None  # an entry was restored from it
     meta = resolved.cache.update_meta(resolved.cache_key, lambda meta: {**meta, "executors": merge(meta.get("executors"), record)})
     return meta.get("executors") if meta is not None else record
@@ -390,9 +394,17 @@ class IreeBackend(Backend):
                     log.info("%s: executors were timed with the calling thread waiting otherwise than it now does "
                              "(%s): timing them again", where, caller_wait_mode())
                     again = True
+                retimes = None
+                if not again and not resolved.driver and measured_busy(calibration, worker_count()):
+                    # Timed while others took the cores: again, counted, BUSY_RETIMES times at most.
+                    assert calibration is not None
+                    retimes = int(calibration.get("busy_retimes", 0)) + 1
+                    log.info("%s: executors were timed while other processes took %.2f cores: timing them again "
+                             "(%d of at most %d)", where, calibration["other_cpu"], retimes, BUSY_RETIMES)
+                    again = True
                 if again:
                     calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros,
-                                                serves)
+                                                serves, retimes)
         if code is None:  # an mlir key's entry without a module: onecopy never writes one
             if entry is not None:
                 entry.close()

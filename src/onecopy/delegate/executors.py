@@ -22,6 +22,8 @@ with another number (another CPU quota, same CPU) does not use it and runs on th
 calling thread waited for the workers (`caller_wait`, onecopy.delegate.caller_wait): that moves the workers' times
 by up to 40% (prefill B=16 on 2 vCPUs: mean 3.2 against 1.9 ms), so figures measured with another wait (a record
 made before the batch wait existed names none) are `stale`, and a load times the functions it serves again, once.
+Figures timed while other processes took half a core or more (`measured_busy`) are timed again by the next
+restores, up to BUSY_RETIMES times.
 """
 
 from __future__ import annotations
@@ -41,11 +43,18 @@ from onecopy.delegate.cpus import worker_count
 from onecopy.errors import DelegateError, ExecutionError
 from onecopy.runtime.copy_stats import CopyStats
 
-__all__ = ["EXECUTORS", "caller_wait_mode", "calibrate", "calibrate_models", "choose", "describe", "merge", "stale"]
+__all__ = ["BUSY_CORES", "BUSY_RETIMES", "EXECUTORS", "caller_wait_mode", "calibrate", "calibrate_models", "choose",
+           "describe", "measured_busy", "merge", "stale"]
 
 log = logging.getLogger("onecopy")
 
 EXECUTORS = ("parallel", "inline")
+# Figures timed while other processes took at least this many cores on average (`other_cpu`) may not be this
+# machine's: a compile beside the first load of ResNet-18 (2 vCPUs) once made it pick the calling thread, 36.8 ms
+# a call against 21.0 on the workers. A restore times such figures again (`measured_busy`), at most BUSY_RETIMES
+# times per entry, so that a machine that stays busy does not pay a calibration at every load.
+BUSY_CORES = 0.5
+BUSY_RETIMES = 3
 _MIN_ROUNDS, _MAX_ROUNDS = 5, 200
 _CALLS_PER_BLOCK = 3  # back to back, as a caller making repeated calls (a decode loop) does
 
@@ -98,6 +107,17 @@ def stale(record: Mapping[str, Any] | None, functions: Collection[str], workers:
     timed, mode = record.get("functions") or {}, caller_wait_mode()
     default = record.get("caller_wait", "normal")
     return any(f in timed and timed[f].get("caller_wait", default) != mode for f in functions)
+
+
+def measured_busy(record: Mapping[str, Any] | None, workers: int | None = None) -> bool:
+    """Whether `record` was timed while other processes took BUSY_CORES or more and has not been timed again
+    BUSY_RETIMES times yet (`busy_retimes`): worth timing again. A record of another number of workers is not
+    used at all (`choose`), so not busy either."""
+    if not record or not record.get("functions") or (workers is not None and record.get("workers") not in (None, workers)):
+        return False
+    others = record.get("other_cpu")
+    return (isinstance(others, (int, float)) and others >= BUSY_CORES
+            and int(record.get("busy_retimes", 0)) < BUSY_RETIMES)
 
 
 def choose(record: Mapping[str, Any] | None, functions: Collection[str], workers: int | None = None) -> str | None:
