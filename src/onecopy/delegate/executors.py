@@ -50,9 +50,10 @@ log = logging.getLogger("onecopy")
 
 EXECUTORS = ("parallel", "inline")
 # Figures timed while other processes took at least this many cores on average (`other_cpu`) may not be this
-# machine's: a compile beside the first load of ResNet-18 (2 vCPUs) once made it pick the calling thread, 36.8 ms
-# a call against 21.0 on the workers. A restore times such figures again (`measured_busy`), at most BUSY_RETIMES
-# times per entry, so that a machine that stays busy does not pay a calibration at every load.
+# machine's: ResNet-18 (2 vCPUs) timed while another process took a core read 40.2 ms on the workers against 40.4
+# on the calling thread, a coin toss, where a quiet machine runs it in 21-24 against 37-39 (one benchmark run's
+# bf16 load, likely so chosen, ran 36.8 against 21.0). A restore times such figures again (`measured_busy`), at
+# most BUSY_RETIMES times per entry, so that a machine that stays busy does not pay a calibration at every load.
 BUSY_CORES = 0.5
 BUSY_RETIMES = 3
 _MIN_ROUNDS, _MAX_ROUNDS = 5, 200
