@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from onecopy.delegate.precision import native_bf16_flags
 from onecopy.delegate.targets import cpu_flags
 from onecopy.errors import DelegateError, InvalidArgument
 from onecopy.runtime import selection
+from onecopy.runtime.method_meta import TensorMeta
 
 
 def _torch(model, x):
@@ -132,3 +134,27 @@ def test_bf16_latency_runs_both_engines_in_bf16_and_records_a_choice_of_its_own(
     want = _torch(conv_net, x)
     np.testing.assert_allclose(got, want, atol=3e-2 * float(np.abs(want).max()))
     assert len(list((tmp_path / "choices").glob("*.json"))) == 2  # fp32's and bf16's, side by side
+
+
+def test_delegates_are_timed_warm_interleaved_and_for_the_budget(monkeypatch):
+    calls: list[str] = []
+
+    def run(name, ms):
+        def call(arrays):
+            calls.append(name)
+            time.sleep(ms / 1e3)
+            return [np.zeros(2, np.float32)]
+        return call
+
+    monkeypatch.setattr(selection, "TIMING_BUDGET_S", 0.2)
+    inputs = [TensorMeta((2,), np.dtype("float32"), True)]
+    started = time.perf_counter()
+    latency, rejected = selection.time_delegates({"iree": run("iree", 4), "openvino": run("openvino", 1)}, "iree",
+                                                 inputs)
+    elapsed = time.perf_counter() - started
+    assert rejected == {} and latency["openvino"] < latency["iree"]
+    assert calls[:4] == ["iree", "openvino", "iree", "openvino"]  # the check, then a warm-up call each
+    timed = calls[4:]
+    rounds = len(timed) // 2
+    assert elapsed >= 0.2 and selection.MIN_RUNS <= rounds <= 0.2 / 0.005 + 1  # the budget, in rounds of >= 5 ms
+    assert timed[:4] == ["iree", "openvino", "openvino", "iree"]  # the order alternates round by round
