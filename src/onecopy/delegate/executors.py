@@ -114,7 +114,9 @@ def measured_busy(record: Mapping[str, Any] | None, workers: int | None = None) 
     """Whether `record` was timed while other processes took BUSY_CORES or more and has not been timed again
     BUSY_RETIMES times yet (`busy_retimes`): worth timing again. A record of another number of workers is not
     used at all (`choose`), so not busy either."""
-    if not record or not record.get("functions") or (workers is not None and record.get("workers") not in (None, workers)):
+    if not record or not record.get("functions"):
+        return False
+    if workers is not None and record.get("workers") not in (None, workers):
         return False
     others = record.get("other_cpu")
     return (isinstance(others, (int, float)) and others >= BUSY_CORES

@@ -207,9 +207,9 @@ def specialize(source: memoryview, parameters: Mapping[str, memoryview], target:
     """Compile a portable bundle for this machine and encode its parameters once. The one place an `mlir`
     bundle becomes code. `tune`: try the configurations of `onecopy.delegate.tuning` and keep the fastest.
     `precision` (onecopy.delegate.precision): every candidate is compiled in it (but the fp32 one
-    `tuning.with_fp32` adds in bf16), and tuning checks each against the default candidate in that precision. On a CPU target, each function of the result is then timed on
-    both executors (onecopy.delegate.executors); `state_zeros` serves the module's state (parameter -> bytes,
-    zeros) to those calls.
+    `tuning.with_fp32` adds in bf16), and tuning checks each against the default candidate in that precision.
+    On a CPU target, each function of the result is then timed on both executors (onecopy.delegate.executors);
+    `state_zeros` serves the module's state (parameter -> bytes, zeros) to those calls.
 
     `ONECOPY_FORBID_SPECIALIZE=1` turns any compile into an error: tests (and users who expect a warm cache)
     use it to prove a load was restored.
