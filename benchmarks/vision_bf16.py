@@ -47,11 +47,6 @@ def agreement(got, want) -> dict:
             "scale": float(np.max(np.abs(b)))}
 
 
-def chosen(path, cache_dir) -> dict[str, str]:
-    """What tuned specialization kept for each precision (from the cache entries): the reason a ratio is what it is."""
-    return {precision: found["tuning"] for precision, found in common.specializations(path, cache_dir).items()}
-
-
 def main() -> int:
     run = common.BenchmarkRun("vision_bf16", __doc__)
     import numpy as np
@@ -97,11 +92,15 @@ def main() -> int:
             for peer, e in errors.items():
                 print(f"{name} {peer} vs onecopy fp32: max |err| {e['max_abs_error']:.3g} (scale {e['scale']:.3g}), "
                       f"cosine {e['cosine']:.6f}")
-            runs_in = {p: found["runs_in"] for p, found in common.specializations(path, cache_dir).items()}
+            # What tuned specialization kept for each precision, and what its code runs in (from the cache entries):
+            # the reason a ratio is what it is.
+            specialized = common.specializations(path, cache_dir)
+            runs_in = {p: found["runs_in"] for p, found in specialized.items()}
             print(f"{name}: onecopy bf16 (IREE) runs in {runs_in.get('bf16')} (tuning keeps fp32 where it measured "
                   "faster)", flush=True)
             payload["models"][name] = {"timings": timings, "vs_onecopy_fp32": errors, "first_load_s": loads,
-                                       "specializations": chosen(path, cache_dir), "iree_runs_in": runs_in,
+                                       "specializations": {p: found["tuning"] for p, found in specialized.items()},
+                                       "iree_runs_in": runs_in,
                                        "bf16_latency_choice": {"backend": latency_choice.backend,
                                                                "latency_ms": latency_choice.latency_ms,
                                                                "memory_mb": latency_choice.memory_mb}}

@@ -15,8 +15,9 @@ How: IREE's Python bindings do not expose the profiler's output (`HalDevice.begi
 function runs in a child process, `iree-benchmark-module` from the iree-base-runtime wheel, on the very module
 bytes, weights (an IRPA copy in a temporary directory, removed after), executor and task-worker flags of the
 loaded model, with IREE's caching allocator as onecopy's CPU devices use. The first fifth of the calls is left out
-(the benchmark's first calls warm the allocator and the caches). One call is one command-buffer submission here;
-a function that submits several per call is reported per submission. What differs from a `Method.execute` loop:
+(the benchmark's first calls warm the allocator and the caches). A call is usually one command-buffer submission;
+a function that submits several per call has them grouped into calls by the number of calls run (`summarize`).
+What differs from a `Method.execute` loop:
 the child's calling thread waits for the workers the way IREE's tools do, not as onecopy's calls do
 (onecopy.delegate.caller_wait: the caller gives way to the workers while a call runs), so on few cores the rest
 of the call and its tail read longer than onecopy's; the dispatches' own times are the engine's.
