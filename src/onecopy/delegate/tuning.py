@@ -404,8 +404,8 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
     unless the candidate names its own (the default does not, so the reference is in it); it sets the tolerance
     (RTOL_BY_PRECISION). `order`: why the options are in their order, for the record. `release(made)` is called
     on what `build` made for a candidate as soon as it is out of the running, so that no more than two
-    candidates' code and encoded weights are held at once (an LLM's weights are its size again per candidate). Returns what `build` made for the chosen one, and
-    the tuning."""
+    candidates' code and encoded weights are held at once (an LLM's weights are its size again per candidate).
+    Returns what `build` made for the chosen one, and the tuning."""
     drop = release or (lambda made: None)
     started = time.perf_counter()
     if options is None:
