@@ -244,6 +244,10 @@ def test_inspect_shows_each_function_on_both_executors(small_program_path, tmp_p
     assert " / inline " in shown and ("(inline; medians " in shown or "(parallel; medians " in shown)
     old = {"functions": {"main": {"parallel_ms": 1.0, "inline_ms": 0.5}}}  # a record made before medians were kept
     assert executors.describe(old) == "main parallel 1.000 / inline 0.500 ms (inline)"
+    busy = {**old, "other_cpu": 0.75, "busy_retimes": 2}
+    assert executors.describe(busy) == ("main parallel 1.000 / inline 0.500 ms (inline); other processes used 0.75 "
+                                        "cores meanwhile (timed again by 2 of at most 3 loads, earlier figures having "
+                                        "been taken on a busy machine)")
 
 
 def test_a_vmfb_program_is_timed_from_the_signatures_its_manifest_carries(small_vmfb_program, tmp_path):

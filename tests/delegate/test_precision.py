@@ -96,20 +96,78 @@ def test_a_vmfb_program_carries_each_targets_code_in_each_precision(vmfb_bf16_pa
     assert len(set(manifest["bundle"].values())) == 2  # two codes, one weights store
 
 
+def entry_tunings(cache_dir) -> dict[str, dict | None]:
+    """precision -> the tuning record of the cache entry made for it."""
+    metas = [json.loads(p.read_text()) for p in cache_dir.glob("v1/entries/*/entry.json")]
+    return {meta.get("precision"): meta.get("tuning") for meta in metas}
+
+
+@pytest.fixture
+def aot_faster(monkeypatch):
+    """`aot_faster(precision)`: the first load of a vmfb program in bf16 times its bf16 and fp32 code as if
+    `precision`'s ran in half the time of the other's (the answers are still each code's own)."""
+    import onecopy.delegate.specialize as specialize_module
+    import onecopy.delegate.tuning as tuning
+
+    built: list[str] = []
+    real_model, real_time = specialize_module.LoadedModel, tuning._time
+
+    def model(*args, **kwargs):  # specialize._encode_faster names the code it loads for timing
+        where = args[3]
+        built[:] = ["fp32" if "its fp32 code" in where else "bf16"]
+        return real_model(*args, **kwargs)
+
+    def arrange(faster: str) -> None:
+        def timed(runner, calls, budget_s):
+            outputs, _ = real_time(runner, calls, budget_s)
+            return outputs, 0.5 if built[0] == faster else 1.0
+
+        monkeypatch.setattr(specialize_module, "LoadedModel", model)
+        monkeypatch.setattr(tuning, "_time", timed)
+
+    return arrange
+
+
 @needs_native_bf16
-def test_a_vmfb_program_runs_its_bf16_code_in_bf16_and_restores_each(vmfb_bf16_path, tmp_path, states, monkeypatch):
-    first = {precision: run(vmfb_bf16_path, tmp_path, precision) for precision in ("fp32", "bf16")}
-    scale = float(np.abs(first["fp32"]).max())
-    error = float(np.abs(first["bf16"] - first["fp32"]).max())
-    cosine = float(first["fp32"].ravel() @ first["bf16"].ravel()
-                   / np.linalg.norm(first["fp32"]) / np.linalg.norm(first["bf16"]))
-    assert error < 2e-2 * scale and cosine > 0.999
-    assert error > 1e-4 * scale, "precision='bf16' gave fp32 answers: the fp32 code ran"
+@pytest.mark.parametrize("faster", ["bf16", "fp32"])
+def test_a_vmfb_program_in_bf16_runs_the_code_measured_faster_and_restores_it(vmfb_bf16_path, tmp_path, states,
+                                                                             monkeypatch, aot_faster, faster):
+    """bf16 is allowed, not forced, for a vmfb program as for an mlir one: its first load in bf16 encodes and
+    times both codes the program holds for this CPU and keeps the faster one's packed weights."""
+    from onecopy.inspect import describe_tuning
+
+    fp32 = run(vmfb_bf16_path, tmp_path, "fp32")
+    aot_faster(faster)
+    first = run(vmfb_bf16_path, tmp_path, "bf16")
     assert entry_precisions(tmp_path) == ["bf16", "fp32"]  # each precision's packed weights, an entry each
-    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")
-    for precision in ("bf16", "fp32"):
-        np.testing.assert_array_equal(run(vmfb_bf16_path, tmp_path, precision), first[precision])
+    tuning = entry_tunings(tmp_path)["bf16"]
+    assert tuning["chosen_precision"] == faster and tuning["precision"] == "bf16"
+    assert [c["name"] for c in tuning["candidates"]] == ["default", "default in fp32"]
+    assert all(c["latency_ms"] is not None and c["error"] is None for c in tuning["candidates"])
+    assert entry_tunings(tmp_path)["fp32"] is None  # fp32 has nothing to choose between
+    assert ("bf16 allowed, fp32 measured faster here: runs in fp32" in describe_tuning(tuning)) == (faster == "fp32")
+    scale = float(np.abs(fp32).max())
+    if faster == "fp32":  # the fp32 code, on the weights its own encoder packed: fp32's answers exactly
+        np.testing.assert_array_equal(first, fp32)
+    else:
+        error = float(np.abs(first - fp32).max())
+        cosine = float(fp32.ravel() @ first.ravel() / np.linalg.norm(fp32) / np.linalg.norm(first))
+        assert 1e-4 * scale < error < 2e-2 * scale and cosine > 0.999, "precision='bf16' did not run the bf16 code"
+    monkeypatch.setenv("ONECOPY_FORBID_SPECIALIZE", "1")  # restores only, each on its own choice
+    for precision, want in (("bf16", first), ("fp32", fp32)):
+        np.testing.assert_array_equal(run(vmfb_bf16_path, tmp_path, precision), want)
     assert states()[-2:] == ["restored", "restored"]
+
+
+@needs_native_bf16
+def test_a_vmfb_program_in_bf16_with_tuning_off_runs_its_bf16_code(vmfb_bf16_path, tmp_path, aot_faster):
+    aot_faster("fp32")
+    fp32 = run(vmfb_bf16_path, tmp_path, "fp32")
+    with Runtime(cache_dir=tmp_path).load_program(vmfb_bf16_path, precision="bf16",
+                                                  backend_options={"IreeBackend": {"tune": False}}) as program:
+        (bf16,) = program.load_method("forward").execute([X])
+    assert float(np.abs(bf16 - fp32).max()) > 1e-4 * float(np.abs(fp32).max())
+    assert entry_tunings(tmp_path)["bf16"] is None  # nothing chosen: an entry of its own (no "tuned" in its key)
 
 
 def test_vmfb_bf16_code_is_refused_on_a_cpu_without_its_baseline(vmfb_bf16_path, tmp_path, monkeypatch):

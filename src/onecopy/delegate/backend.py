@@ -18,11 +18,11 @@ from onecopy.delegate.dispatch_profile import profile_model
 from onecopy.delegate.engine import EngineFunction, LoadedModel
 from onecopy.delegate.executors import BUSY_RETIMES, caller_wait_mode, choose, measured_busy, merge, stale
 from onecopy.delegate.invocation import Invocation, call, call_copied
-from onecopy.delegate.manifest import Manifest, missing_named_data, parse_manifest
+from onecopy.delegate.manifest import Manifest, bundle_key, missing_named_data, parse_manifest, split_bundle_key
 from onecopy.delegate.model_set import ModelSet
 from onecopy.delegate.resolution import Resolved, resolve, tunes
 from onecopy.delegate.shared_models import shared_models
-from onecopy.delegate.specialize import Specialization, encode, manifest_signatures, recalibrate, specialize
+from onecopy.delegate.specialize import AotCode, Specialization, encode, manifest_signatures, recalibrate, specialize
 from onecopy.delegate.targets import CPU_EXECUTORS
 from onecopy.delegate.tuning import signatures
 from onecopy.errors import DelegateError, ExecutionError, InvalidArgument, ProgramFormatError
@@ -58,6 +58,13 @@ def _code(context: InitContext, key: str, what: str) -> memoryview:
             "re-copy or re-export it (`onecopy verify FILE` lists every problem)."
         ) from None
     return view
+
+
+def _aot_code(context: InitContext, manifest: Manifest, bundle: str) -> AotCode:
+    """The vmfb code and parameter encoder `manifest` holds under `bundle` (a `bundle_key`), checked as read."""
+    _, precision = split_bundle_key(bundle)
+    return AotCode(precision, _code(context, manifest.bundle[bundle], "bundle"),
+                   _code(context, manifest.encoders[bundle], f"parameter encoder for {bundle}"))
 
 
 def _recalibrated(context: InitContext, resolved: Resolved, entry: CacheEntry, code: bytes | memoryview,
@@ -357,8 +364,10 @@ class IreeBackend(Backend):
                 _named(context.named_data, encoder_key, encoder_what, where)
                 # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
                 vmfb = code  # bound now: `code` is rebound below
-                produce = lambda scratch: encode(_code(context, encoder_key, encoder_what), parameters, target, where,
-                                                 code=vmfb, functions=manifest.signatures, state_zeros=state_zeros)
+                produce = lambda scratch: encode(
+                    AotCode(resolved.precision, vmfb, _code(context, encoder_key, encoder_what)), parameters, target,
+                    where, functions=manifest.signatures, state_zeros=state_zeros,
+                    fp32=_aot_code(context, manifest, resolved.fp32_bundle) if resolved.fp32_bundle else None)
         else:
             code = None  # the specialized module
             source_key = manifest.bundle["portable"]
@@ -368,10 +377,11 @@ class IreeBackend(Backend):
                                                  state_zeros=state_zeros)
         state = "restored"
         calibration: dict | None = None
+        tuning: dict | None = None
         if produce is not None:
             if resolved.cache is None:
                 result = produce(None)
-                module, state, calibration = result.module, "specialized", result.executors
+                module, state, calibration, tuning = result.module, "specialized", result.executors, result.tuning
                 encoded = {name: memoryview(array) for name, array in result.encoded.items()}
             else:
                 entry, state = resolved.cache.get_or_specialize(
@@ -385,7 +395,12 @@ class IreeBackend(Backend):
                     precision=resolved.precision,
                 )
                 module, encoded, calibration = entry.module(), entry.encoded(), entry.executors
+                tuning = entry.tuning
             code = code if code is not None else module
+            chosen = (tuning or {}).get("chosen_precision", resolved.precision)
+            if manifest.packaging == "vmfb" and chosen != resolved.precision:
+                # The entry's weights were packed for the code measured faster (fp32): run that code with them.
+                code = _code(context, manifest.bundle[bundle_key(target.name, chosen)], "bundle")
             if state == "restored" and entry is not None and code:
                 timed = serves if serves is not None else list((calibration or {}).get("functions") or ())
                 again = bool(context.backend_options.get("recalibrate"))

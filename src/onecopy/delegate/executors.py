@@ -208,8 +208,8 @@ def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, An
 
 
 def describe(record: Mapping[str, Any] | None) -> str:
-    """One line for logs and `onecopy inspect`: each function's mean latency on both executors, the choice, and
-    the medians where the record has them."""
+    """One line for logs and `onecopy inspect`: each function's mean latency on both executors, the choice, the
+    medians where the record has them, and how busy the machine was (and how often that made loads time it again)."""
     if not record:
         return "not calibrated"
     timed = record.get("functions") or {}
@@ -223,5 +223,8 @@ def describe(record: Mapping[str, Any] | None) -> str:
                      f"({choose(record, [f])}{medians(t)})" for f, t in timed.items())
     others = record.get("other_cpu")
     waited = f"; the caller waited as a {record['caller_wait']} thread" if "caller_wait" in record else ""
-    return line + waited + (f"; other processes used {others:.2f} cores meanwhile"
+    retimes = record.get("busy_retimes")
+    again = (f" (timed again by {retimes} of at most {BUSY_RETIMES} loads, earlier figures having been taken on "
+             "a busy machine)" if isinstance(retimes, int) and retimes > 0 else "")
+    return line + waited + (f"; other processes used {others:.2f} cores meanwhile{again}"
                             if isinstance(others, (int, float)) else "")

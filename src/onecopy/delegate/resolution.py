@@ -58,6 +58,9 @@ class Resolved:
     driver: str = ""  # the HAL driver the model runs on; "" on a CPU: the executor measured faster (executors.py)
     workers: int | None = None  # IREE task workers (backend option threads); None: one per physical core
     bundle: str = PORTABLE  # the manifest's `bundle` (and `encoders`) key of the code loaded
+    # vmfb in bf16: the same target's fp32 code, which the load that encodes the weights times against the bf16
+    # code, running whichever measured faster (bf16 is allowed, not forced: tuning.with_fp32). None: no choice.
+    fp32_bundle: str | None = None
 
     @property
     def key_prefix(self) -> str:
@@ -82,14 +85,19 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         check_target_runs_here(target, where)
         bundle = _vmfb_bundle(manifest, target, precision, where)
         driver = _driver(context, target)
+        fp32 = bundle_key(target.name)
+        fp32_bundle = fp32 if (bundle != fp32 and bundle in manifest.encoders and fp32 in manifest.encoders
+                               and tunes(context, manifest)) else None
         # The code runs from the program file; only the weights its encoder packs are cached, when it has one.
         if bundle not in manifest.encoders or cache_disabled():
-            return Resolved(manifest, units, target, None, None, precision, driver, threads, bundle)
+            return Resolved(manifest, units, target, None, None, precision, driver, threads, bundle, fp32_bundle)
         # The encoder is code in the program (its hash is in the export hash) run by the IREE runtime: no
         # compiler is involved, nor needed, on a device loading a vmfb program. Its precision is in the key
-        # (fp32 keys stay those of entries made before vmfb programs had precisions).
+        # (fp32 keys stay those of entries made before vmfb programs had precisions), and whether its entry
+        # chose between it and fp32 ("|tuned": entries made before always ran the bf16 code).
         features, engine = host_features(target), f"runtime {runtime_version()}"
         features += f"|{precision}" if precision != DEFAULT_PRECISION else ""
+        features += "|tuned" if fp32_bundle else ""
     else:
         target = select_target(units, where)
         driver = _driver(context, target)
@@ -111,8 +119,9 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         features=features,
         compiler=engine,
     )
-    return Resolved(manifest, units, target, cache, key, precision, driver, threads,
-                    bundle if manifest.packaging == "vmfb" else PORTABLE)
+    if manifest.packaging == "vmfb":
+        return Resolved(manifest, units, target, cache, key, precision, driver, threads, bundle, fp32_bundle)
+    return Resolved(manifest, units, target, cache, key, precision, driver, threads)
 
 
 def _vmfb_bundle(manifest: Manifest, target: Target, precision: str, where: str) -> str:

@@ -14,7 +14,9 @@ The encoder module follows IREE's `iree-encode-parameters` protocol (reflection 
 `vmfb` (AOT) programs get the same: export compiles each CPU target's bundle with the encoder flags
 (`compile_with_encoder`, the one implementation both paths use) and stores that target's encoder beside the
 bundle (manifest field `encoders`). At load, `encode` runs it once per machine; the cache entry then holds the
-encoded parameters only, while the module's code keeps running in place from the program file.
+encoded parameters only, while the module's code keeps running in place from the program file. A program loaded in
+bf16 that also holds fp32 code for the target has both encoded and timed at that load, and the entry keeps the
+faster one's weights and says which code runs (its tuning's `chosen_precision`), as tuning does for mlir.
 
 Tuned specialization (backend option `tune`, on by default): a module holding convolutions is built in a few
 compiler configurations, each timed here and checked against the default's results, and the fastest is kept
@@ -55,7 +57,8 @@ from onecopy.errors import DelegateError
 from onecopy.runtime.copy_stats import CopyStats
 
 __all__ = [
-    "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "RECALIBRATE_BUDGET_S", "Compiled", "Specialization",
+    "AOT_TIMING_S", "ENCODED_SCOPE", "ENV_FORBID_SPECIALIZE", "RECALIBRATE_BUDGET_S", "AotCode", "Compiled",
+    "Specialization",
     "compile_with_encoder", "encode", "manifest_signatures", "recalibrate", "specialize", "wants_encoder",
 ]
 
@@ -265,15 +268,7 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
         encoded = {name: memoryview(array) for name, array in made.encoded.items()}
         model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
         models[id(made)] = model
-        functions: dict[str, Any] = {}
-
-        def run(name: str, arrays: list[np.ndarray], results: int) -> list[np.ndarray]:
-            function = functions.get(name)
-            if function is None:
-                function = functions[name] = model.function(name).copied_call(arrays, results)
-            return function(arrays, CopyStats())
-
-        return made, run
+        return made, _runner(model)
 
     def release(made: Specialization) -> None:  # out of the running: its model and encoded weights go now
         model = models.pop(id(made), None)
@@ -312,20 +307,90 @@ def _calibrate_executors(module: bytes | memoryview, found: list[Signature],
     return calibrate_models(load, calls, budget_s, where)
 
 
-def encode(encoder: bytes | memoryview, parameters: Mapping[str, memoryview], target: Target, where: str, *,
-           code: bytes | memoryview | None = None, functions: Mapping[str, FunctionSignature] | None = None,
-           state_zeros: Mapping[str, int] | None = None) -> Specialization:
+@dataclass(frozen=True)
+class AotCode:
+    """A `vmfb` program's code for one target in one precision, and the parameter encoder compiled with it."""
+
+    precision: str
+    code: bytes | memoryview
+    encoder: bytes | memoryview
+
+
+# How long each precision of a vmfb program's code is timed when its first load chooses between them
+# (`encode`): its codes were compiled at export, so the choice costs an encoder run and these timings.
+AOT_TIMING_S = 0.25
+
+
+def encode(aot: AotCode, parameters: Mapping[str, memoryview], target: Target, where: str, *,
+           functions: Mapping[str, FunctionSignature] | None = None, state_zeros: Mapping[str, int] | None = None,
+           fp32: AotCode | None = None) -> Specialization:
     """Run a `vmfb` program's parameter encoder (compiled at export for `target`) once, here: the result holds the
-    encoded parameters only; the module itself runs from the program file. With its `code` and the `functions`
-    its manifest lists, each function is then timed on both CPU executors, as `specialize` does. A
-    specialization step, so `ONECOPY_FORBID_SPECIALIZE=1` refuses it."""
+    encoded parameters only; the module itself runs from the program file. With the `functions` its manifest
+    lists, each function is then timed on both CPU executors, as `specialize` does. A specialization step, so
+    `ONECOPY_FORBID_SPECIALIZE=1` refuses it.
+
+    `fp32`: the same target's fp32 code, when `aot` is in another precision (bf16) that the load allows rather
+    than forces, as `specialize` does for an mlir program (tuning.with_fp32 says why): both are encoded and
+    timed on the manifest's functions, and the result holds the one measured faster (`aot` unless fp32 is
+    clearly faster, their answers agreeing), its tuning record naming it (`chosen_precision`)."""
     _check_allowed(where)
     started = time.perf_counter()
-    made = Specialization(None, _encode(encoder, parameters, target, where))
-    if target.compute_unit == "cpu" and code is not None and functions:
+    if fp32 is None or not functions:
+        made = Specialization(None, _encode(aot.encoder, parameters, target, where))
+        code = aot.code
+    else:
+        made, code = _encode_faster(aot, fp32, parameters, target, where, manifest_signatures(functions))
+    if target.compute_unit == "cpu" and functions:
         made.executors = _calibrate_executors(code, manifest_signatures(functions), made.encoded, parameters, target,
                                               where, state_zeros, _budget(started))
     return made
+
+
+def _encode_faster(aot: AotCode, fp32: AotCode, parameters: Mapping[str, memoryview], target: Target, where: str,
+                   found: list[Signature]) -> tuple[Specialization, bytes | memoryview]:
+    """`aot` and `fp32` encoded and timed (tuning.tune, `aot` the reference): the faster one's packed weights
+    and tuning record, and its code."""
+    codes = {DEFAULT: aot, DEFAULT.in_fp32(): fp32}
+    models: dict[int, LoadedModel] = {}
+    code_of: dict[int, bytes | memoryview] = {}
+
+    def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
+        chosen = codes[candidate]
+        made = Specialization(None, _encode(chosen.encoder, parameters, target, where))
+        encoded = {name: memoryview(array) for name, array in made.encoded.items()}
+        model = LoadedModel(chosen.code, parameters, target, f"{where} (timing its {chosen.precision} code)",
+                            encoded=encoded)
+        models[id(made)], code_of[id(made)] = model, chosen.code
+        return made, _runner(model)
+
+    def release(made: Specialization) -> None:
+        model = models.pop(id(made), None)
+        if model is not None:
+            model.close()
+        made.encoded.clear()
+
+    try:
+        chosen, tuning = tuned(None, build_and_load, where, options=list(codes), precision=aot.precision,
+                               order=f"the program's {aot.precision} and fp32 code, compiled at export",
+                               release=release, functions=found, timing_s=AOT_TIMING_S, budget_s=float("inf"))
+    finally:
+        for model in models.values():
+            model.close()
+    chosen.tuning = tuning.record()
+    return chosen, code_of[id(chosen)]
+
+
+def _runner(model: LoadedModel) -> Runner:
+    """Calls `model`'s functions by name on numpy arrays, each function's call planned once."""
+    functions: dict[str, Any] = {}
+
+    def run(name: str, arrays: list[np.ndarray], results: int) -> list[np.ndarray]:
+        function = functions.get(name)
+        if function is None:
+            function = functions[name] = model.function(name).copied_call(arrays, results)
+        return function(arrays, CopyStats())
+
+    return run
 
 
 def manifest_signatures(functions: Mapping[str, FunctionSignature]) -> list[Signature]:

@@ -396,19 +396,25 @@ def _agrees(outputs: list[list[np.ndarray]], reference: list[list[np.ndarray]], 
     return None
 
 
-def tune(source: bytes | memoryview, build: Build, where: str, *,
+def tune(source: bytes | memoryview | None, build: Build, where: str, *,
          options: list[Candidate] | None = None, precision: str = "fp32", order: str = "",
-         release: Callable[[Any], None] | None = None) -> tuple[Any, Tuning]:
+         release: Callable[[Any], None] | None = None, functions: list[Signature] | None = None,
+         timing_s: float | None = None, budget_s: float | None = None) -> tuple[Any, Tuning]:
     """Build `source` in each candidate configuration (`options` in their order, default `plan(source)`), keep
     the fastest whose results agree with the default's. `precision`: what `build` compiles every candidate in
     unless the candidate names its own (the default does not, so the reference is in it); it sets the tolerance
     (RTOL_BY_PRECISION). `order`: why the options are in their order, for the record. `release(made)` is called
     on what `build` made for a candidate as soon as it is out of the running, so that no more than two
     candidates' code and encoded weights are held at once (an LLM's weights are its size again per candidate).
+    `functions`: what is timed (default: the signatures of `source`'s public functions). Each candidate is timed
+    for `timing_s` (default a tenth of the default's build), all of it bounded by `budget_s` (default
+    BUDGET_FACTOR times that build): a choice between codes compiled ahead of time (a `vmfb` program's precisions)
+    builds in a fraction of a second and needs times of its own.
     Returns what `build` made for the chosen one, and the tuning."""
     drop = release or (lambda made: None)
     started = time.perf_counter()
     if options is None:
+        assert source is not None, "tune: options are planned from the source"
         options, order = plan(source)
     first, rest = options[0], options[1:]
     kept, runner = build(first)  # a failure here is the specialization's own: let it raise
@@ -418,13 +424,14 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
         tuning.note = ONE_CONFIGURATION
         tuning.elapsed_s = plain_s
         return kept, tuning
-    budget = BUDGET_FACTOR * plain_s
+    budget = BUDGET_FACTOR * plain_s if budget_s is None else budget_s
+    timing = 0.1 * plain_s if timing_s is None else timing_s
     tuning.budget_s = budget
     try:
-        sigs = signatures(source)
+        sigs = functions if functions is not None else signatures(source)  # type: ignore[arg-type]
         rng = np.random.default_rng(0)
         calls = [(s, example_inputs(s, rng)) for s in sigs]
-        reference, seconds = _time(runner, calls, 0.1 * plain_s)
+        reference, seconds = _time(runner, calls, timing)
     except (ValueError, RuntimeError, DelegateError) as e:
         tuning.note = f"kept the default: its functions could not be run on example inputs ({e})"
         tuning.elapsed_s = time.perf_counter() - started
@@ -436,7 +443,7 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
         trial = Trial(candidate)
         tuning.trials.append(trial)
         elapsed = time.perf_counter() - started
-        if elapsed + costliest + 0.1 * plain_s > budget:
+        if elapsed + costliest + timing > budget:
             trial.error = "skipped: the tuning budget was spent"
             continue
         built = time.perf_counter()
@@ -449,7 +456,7 @@ def tune(source: bytes | memoryview, build: Build, where: str, *,
             trial.build_s = round(time.perf_counter() - built, 3)
             costliest = max(costliest, trial.build_s)
         try:
-            outputs, seconds = _time(run, calls, 0.1 * plain_s)
+            outputs, seconds = _time(run, calls, timing)
         except (ValueError, RuntimeError, DelegateError) as e:
             trial.error = f"does not run: {e}"
             drop(made)
