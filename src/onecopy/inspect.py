@@ -154,6 +154,7 @@ class SpecializationSummary:
     tuning: dict[str, Any] | None
     precision: str = "fp32"  # entries written before precision was recorded are fp32: there was no other
     executors: dict[str, Any] | None = None
+    packaging: str = "mlir"  # vmfb: its code was compiled at export; the entry holds the weights packed here
 
 
 def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike[str] | None = None
@@ -173,13 +174,17 @@ def specializations(export_hashes: Collection[str], cache_dir: str | os.PathLike
             tuning = meta.get("tuning") if isinstance(meta.get("tuning"), dict) else None
             executors = meta.get("executors") if isinstance(meta.get("executors"), dict) else None
             found.setdefault(meta["export_hash"], []).append(SpecializationSummary(
-                path.name, str(meta.get("target")), tuning, str(meta.get("precision", "fp32")), executors))
+                path.name, str(meta.get("target")), tuning, str(meta.get("precision", "fp32")), executors,
+                str(meta.get("packaging", "mlir"))))
     return found
 
 
-def describe_tuning(tuning: dict[str, Any] | None) -> str:
-    """One line: the configuration chosen and each candidate's latency (or why it was not kept)."""
+def describe_tuning(tuning: dict[str, Any] | None, packaging: str = "mlir") -> str:
+    """One line: the configuration chosen and each candidate's latency (or why it was not kept). A `vmfb`
+    entry's code was compiled at export: tuned, it chose between the program's precisions of it."""
     if tuning is None:
+        if packaging == "vmfb":
+            return "code compiled at export, weights packed here (nothing to choose between)"
         return "not tuned (backend option tune=False): the default configuration"
     if len(tuning.get("candidates", [])) <= 1:
         return f"the default configuration ({tuning.get('note') or 'one candidate'})"
@@ -242,7 +247,7 @@ def report(loaded: LoadedProgramFile, path: str | os.PathLike[str],
             lines.append(f"    parameter encoders (pack the weights once per machine): {encoders}")
         for entry in specialized.get(bundle.export_hash, []):  # what this machine's cache made of it
             lines.append(f"    specialized here for {entry.target}, {entry.precision} (cache entry {entry.key[:12]}): "
-                         f"{describe_tuning(entry.tuning)}")
+                         f"{describe_tuning(entry.tuning, entry.packaging)}")
             if entry.executors is not None:  # executor="auto" picks from these
                 lines.append(f"    executors (mean latency, the faster): {describe_executors(entry.executors)}")
     return lines

@@ -142,10 +142,13 @@ def test_a_vmfb_program_in_bf16_runs_the_code_measured_faster_and_restores_it(vm
     assert entry_precisions(tmp_path) == ["bf16", "fp32"]  # each precision's packed weights, an entry each
     tuning = entry_tunings(tmp_path)["bf16"]
     assert tuning["chosen_precision"] == faster and tuning["precision"] == "bf16"
-    assert [c["name"] for c in tuning["candidates"]] == ["default", "default in fp32"]
+    assert [c["name"] for c in tuning["candidates"]] == ["the bf16 code", "the fp32 code"]
     assert all(c["latency_ms"] is not None and c["error"] is None for c in tuning["candidates"])
     assert entry_tunings(tmp_path)["fp32"] is None  # fp32 has nothing to choose between
-    assert ("bf16 allowed, fp32 measured faster here: runs in fp32" in describe_tuning(tuning)) == (faster == "fp32")
+    shown = describe_tuning(tuning, "vmfb")
+    assert shown.startswith(f"tuned: chose the {faster} code in ") and "budget" not in shown
+    assert ("bf16 allowed, fp32 measured faster here: runs in fp32" in shown) == (faster == "fp32")
+    assert describe_tuning(None, "vmfb") == "code compiled at export, weights packed here (nothing to choose between)"
     scale = float(np.abs(fp32).max())
     if faster == "fp32":  # the fp32 code, on the weights its own encoder packed: fp32's answers exactly
         np.testing.assert_array_equal(first, fp32)

@@ -33,6 +33,7 @@ a compile, so a load under that variable is a restore or an error, never a silen
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -350,7 +351,7 @@ def _encode_faster(aot: AotCode, fp32: AotCode, parameters: Mapping[str, memoryv
                    found: list[Signature]) -> tuple[Specialization, bytes | memoryview]:
     """`aot` and `fp32` encoded and timed (tuning.tune, `aot` the reference): the faster one's packed weights
     and tuning record, and its code."""
-    codes = {DEFAULT: aot, DEFAULT.in_fp32(): fp32}
+    codes = {Candidate(f"the {aot.precision} code"): aot, Candidate("the fp32 code", precision="fp32"): fp32}
     models: dict[int, LoadedModel] = {}
     code_of: dict[int, bytes | memoryview] = {}
 
@@ -372,7 +373,7 @@ def _encode_faster(aot: AotCode, fp32: AotCode, parameters: Mapping[str, memoryv
     try:
         chosen, tuning = tuned(None, build_and_load, where, options=list(codes), precision=aot.precision,
                                order=f"the program's {aot.precision} and fp32 code, compiled at export",
-                               release=release, functions=found, timing_s=AOT_TIMING_S, budget_s=float("inf"))
+                               release=release, functions=found, timing_s=AOT_TIMING_S, budget_s=math.inf)
     finally:
         for model in models.values():
             model.close()

@@ -24,6 +24,7 @@ per machine, a restore reads what was chosen and tunes nothing.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -426,7 +427,7 @@ def tune(source: bytes | memoryview | None, build: Build, where: str, *,
         return kept, tuning
     budget = BUDGET_FACTOR * plain_s if budget_s is None else budget_s
     timing = 0.1 * plain_s if timing_s is None else timing_s
-    tuning.budget_s = budget
+    tuning.budget_s = budget if math.isfinite(budget) else None  # unbounded: nothing to show
     try:
         sigs = functions if functions is not None else signatures(source)  # type: ignore[arg-type]
         rng = np.random.default_rng(0)
