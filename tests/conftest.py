@@ -147,10 +147,12 @@ def isolated_cache(tmp_path_factory):
 def quiet_machine(monkeypatch):
     """Executor calibration in this process reads the machine as quiet (other processes' CPU 0): a restore times
     figures made while others took the cores again (onecopy.delegate.executors.measured_busy), and whether a test
-    run shares its machine is no test's business. Tests of that behaviour set `_machine_busy_s` themselves."""
+    run shares its machine (or its process: pytest's own threads) is no test's business. Tests of that behaviour set
+    `_machine_busy_s` and `_foreign_threads_s` themselves."""
     import onecopy.delegate.executors as executors
 
     monkeypatch.setattr(executors, "_machine_busy_s", lambda: 0.0)
+    monkeypatch.setattr(executors, "_foreign_threads_s", lambda caller: 0.0)
 
 
 @pytest.fixture

@@ -245,9 +245,9 @@ def test_inspect_shows_each_function_on_both_executors(small_program_path, tmp_p
     old = {"functions": {"main": {"parallel_ms": 1.0, "inline_ms": 0.5}}}  # a record made before medians were kept
     assert executors.describe(old) == "main parallel 1.000 / inline 0.500 ms (inline)"
     busy = {**old, "other_cpu": 0.75, "busy_retimes": 2}
-    assert executors.describe(busy) == ("main parallel 1.000 / inline 0.500 ms (inline); other processes used 0.75 "
-                                        "cores meanwhile (timed again by 2 of at most 3 loads, earlier figures having "
-                                        "been taken on a busy machine)")
+    assert executors.describe(busy) == ("main parallel 1.000 / inline 0.500 ms (inline); other processes and threads "
+                                        "used 0.75 cores meanwhile (timed again by 2 of at most 3 loads, earlier "
+                                        "figures having been taken on a busy machine)")
 
 
 def test_a_vmfb_program_is_timed_from_the_signatures_its_manifest_carries(small_vmfb_program, tmp_path):
@@ -431,7 +431,7 @@ def _timed_again(small_program_path, cache_dir, caplog) -> int:
     with caplog.at_level(logging.INFO, logger="onecopy"):
         with Runtime(cache_dir=cache_dir).load_program(small_program_path) as program:
             program.load_method("forward")
-    return sum("timed while other processes took" in r.message for r in caplog.records)
+    return sum("timed while other processes or threads took" in r.message for r in caplog.records)
 
 
 def test_figures_timed_on_a_busy_machine_are_timed_again_until_quiet(small_program_path, tmp_path, monkeypatch,
@@ -452,6 +452,38 @@ def test_a_machine_that_stays_busy_times_them_again_at_most_busy_retimes_times(s
     for load in range(executors.BUSY_RETIMES + 1):
         assert _timed_again(small_program_path, tmp_path, caplog) == (1 if load < executors.BUSY_RETIMES else 0)
         assert entry_executors(tmp_path)["busy_retimes"] == min(load + 1, executors.BUSY_RETIMES)
+
+
+def test_a_thread_of_this_process_that_takes_a_core_makes_the_figures_busy(small_program_path, tmp_path, monkeypatch):
+    """Calibration competes for the cores with the process's other threads (an application's, another engine's
+    pool) as with other processes: they count in `other_cpu`, and the next restore times the figures again."""
+    import hashlib
+    import threading
+
+    monkeypatch.undo()  # the real readings of /proc, not the quiet machine of tests/conftest.py
+    if executors._machine_busy_s() is None:
+        pytest.skip("no /proc/stat on this system: calibration records no other_cpu here")
+    stop = threading.Event()
+    data = bytes(1 << 22)
+
+    def hash_until_stopped() -> None:  # sha256 of 4 MiB releases the GIL: a core taken, the caller not blocked
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    busy = [threading.Thread(target=hash_until_stopped) for _ in range(2)]  # a core's worth beside the workers
+    for thread in busy:
+        thread.start()
+    try:
+        with Runtime(cache_dir=tmp_path).load_program(small_program_path) as program:
+            program.load_method("forward")
+    finally:
+        stop.set()
+        for thread in busy:
+            thread.join()
+    record = entry_executors(tmp_path)
+    assert record["other_cpu"] >= executors.BUSY_CORES, record  # about a core: the hashing threads'
+    assert executors.measured_busy(record, record["workers"])
+    assert executors._foreign_threads_s(threading.get_native_id()) >= 0.0
 
 
 def test_the_machines_busy_time_counts_this_process_too(monkeypatch):

@@ -414,7 +414,7 @@ class IreeBackend(Backend):
                     # Timed while others took the cores: again, counted, BUSY_RETIMES times at most.
                     assert calibration is not None
                     retimes = int(calibration.get("busy_retimes", 0)) + 1
-                    log.info("%s: executors were timed while other processes took %.2f cores: timing them again "
+                    log.info("%s: executors were timed while other processes or threads took %.2f cores: timing them again "
                              "(%d of at most %d)", where, calibration["other_cpu"], retimes, BUSY_RETIMES)
                     again = True
                 if again:

@@ -22,16 +22,18 @@ with another number (another CPU quota, same CPU) does not use it and runs on th
 calling thread waited for the workers (`caller_wait`, onecopy.delegate.caller_wait): that moves the workers' times
 by up to 40% (prefill B=16 on 2 vCPUs: mean 3.2 against 1.9 ms), so figures measured with another wait (a record
 made before the batch wait existed names none) are `stale`, and a load times the functions it serves again, once.
-Figures timed while other processes took half a core or more (`measured_busy`) are timed again by the next
-restores, up to BUSY_RETIMES times.
+Figures timed while other processes, or threads of this one that are not the calibration's, took half a core or
+more (`other_cpu`, `measured_busy`) are timed again by the next restores, up to BUSY_RETIMES times.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -49,7 +51,7 @@ __all__ = ["BUSY_CORES", "BUSY_RETIMES", "EXECUTORS", "caller_wait_mode", "calib
 log = logging.getLogger("onecopy")
 
 EXECUTORS = ("parallel", "inline")
-# Figures timed while other processes took at least this many cores on average (`other_cpu`) may not be this
+# Figures timed while other processes (or threads of this one) took at least this many cores on average (`other_cpu`) may not be this
 # machine's: ResNet-18 (2 vCPUs) timed while another process took a core read 40.2 ms on the workers against 40.4
 # on the calling thread, a coin toss, where a quiet machine runs it in 21-24 against 37-39 (one benchmark run's
 # bf16 load, likely so chosen, ran 36.8 against 21.0). A restore times such figures again (`measured_busy`), at
@@ -111,7 +113,7 @@ def stale(record: Mapping[str, Any] | None, functions: Collection[str], workers:
 
 
 def measured_busy(record: Mapping[str, Any] | None, workers: int | None = None) -> bool:
-    """Whether `record` was timed while other processes took BUSY_CORES or more and has not been timed again
+    """Whether `record` was timed while other processes (or threads) took BUSY_CORES or more and has not been timed again
     BUSY_RETIMES times yet (`busy_retimes`): worth timing again. A record of another number of workers is not
     used at all (`choose`), so not busy either."""
     if not record or not record.get("functions"):
@@ -161,13 +163,15 @@ def calibrate_models(load: Callable[[str], Any], calls: Mapping[str, tuple[Seque
     try:
         for executor in EXECUTORS:
             models[executor] = load(executor)
-        busy, own = _machine_busy_s(), time.process_time()
+        caller = threading.get_native_id()
+        busy, own, foreign = _machine_busy_s(), time.process_time(), _foreign_threads_s(caller)
         record = {**calibrate(run, list(calls), budget_s), "workers": worker_count(), "caller_wait": caller_wait_mode(),
                   "measured": int(time.time())}  # floored: a record is never dated after the moment it was read
-        # What else ran meanwhile: a choice made while other processes (or the hypervisor's other guests) took
-        # the cores may not be the quiet machine's; the backend option `recalibrate` measures again.
+        # What else ran meanwhile: a choice made while other processes (or the hypervisor's other guests), or
+        # other threads of this one (an application's, another engine's pool), took the cores may not be the
+        # quiet machine's; the backend option `recalibrate` measures again.
         if busy is not None and (now := _machine_busy_s()) is not None and record["elapsed_s"] > 0:
-            others = (now - busy) - (time.process_time() - own)
+            others = (now - busy) - (time.process_time() - own) + (_foreign_threads_s(caller) - foreign)
             record["other_cpu"] = round(max(others, 0.0) / record["elapsed_s"], 2)
     except (RuntimeError, ValueError, DelegateError, ExecutionError) as e:
         log.info("%s: executors not calibrated: %s", where, e)
@@ -192,6 +196,54 @@ def _machine_busy_s() -> float | None:
     # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
     ticks = [int(v) for v in fields[1:9]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _foreign_threads_s(caller: int) -> float:
+    """CPU seconds the threads of this process have used but the calling thread (`caller`, a native thread id)
+    and IREE's own (named iree-*: task workers, the proactor): work the calibration does not do, which takes the
+    cores from it as surely as another process would (an application's threads, another engine's pool spinning
+    after its calls as ONNX Runtime's does), and which the process's own CPU time hid. Read in nanoseconds from
+    schedstat where the kernel keeps it (a small model's calibration lasts 40 ms: clock ticks of 10 ms would
+    make its share a coin toss), else from stat's ticks. A thread that ended meanwhile takes its time with it
+    (what it used is not counted); 0.0 where /proc is unreadable."""
+    total = 0.0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    precise = _schedstat_kept()
+    for task in tasks:
+        if task == str(caller):
+            continue
+        folder = f"/proc/self/task/{task}"
+        try:
+            with open(f"{folder}/stat") as f:
+                stat = f.read()
+            if precise:
+                with open(f"{folder}/schedstat") as f:
+                    on_cpu_ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # ended since the listing
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(") ")
+        if name.startswith("iree-"):
+            continue
+        if precise:
+            total += on_cpu_ns / 1e9
+        else:
+            fields = rest.split()  # from the state on: utime and stime are the 12th and 13th
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+@functools.lru_cache(maxsize=1)
+def _schedstat_kept() -> bool:
+    """Whether this kernel counts each thread's time on the CPU in /proc/.../schedstat (CONFIG_SCHED_INFO): the
+    calling thread, running now, has used some."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[0]) > 0
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def merge(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
@@ -226,5 +278,5 @@ def describe(record: Mapping[str, Any] | None) -> str:
     retimes = record.get("busy_retimes")
     again = (f" (timed again by {retimes} of at most {BUSY_RETIMES} loads, earlier figures having been taken on "
              "a busy machine)" if isinstance(retimes, int) and retimes > 0 else "")
-    return line + waited + (f"; other processes used {others:.2f} cores meanwhile{again}"
+    return line + waited + (f"; other processes and threads used {others:.2f} cores meanwhile{again}"
                             if isinstance(others, (int, float)) else "")
