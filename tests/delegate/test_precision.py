@@ -106,24 +106,16 @@ def entry_tunings(cache_dir) -> dict[str, dict | None]:
 def aot_faster(monkeypatch):
     """`aot_faster(precision)`: the first load of a vmfb program in bf16 times its bf16 and fp32 code as if
     `precision`'s ran in half the time of the other's (the answers are still each code's own)."""
-    import onecopy.delegate.specialize as specialize_module
     import onecopy.delegate.tuning as tuning
 
-    built: list[str] = []
-    real_model, real_time = specialize_module.LoadedModel, tuning._time
-
-    def model(*args, **kwargs):  # specialize._encode_faster names the code it loads for timing
-        where = args[3]
-        built[:] = ["fp32" if "its fp32 code" in where else "bf16"]
-        return real_model(*args, **kwargs)
+    real_time = tuning._time_against
 
     def arrange(faster: str) -> None:
-        def timed(runner, calls, budget_s):
-            outputs, _ = real_time(runner, calls, budget_s)
-            return outputs, 0.5 if built[0] == faster else 1.0
+        def timed(kept, candidate, calls, budget_s):  # the candidate: the fp32 code, timed against the bf16 one
+            outputs, seconds, _ = real_time(kept, candidate, calls, budget_s)
+            return outputs, seconds, 0.5 if faster == "fp32" else 2.0
 
-        monkeypatch.setattr(specialize_module, "LoadedModel", model)
-        monkeypatch.setattr(tuning, "_time", timed)
+        monkeypatch.setattr(tuning, "_time_against", timed)
 
     return arrange
 

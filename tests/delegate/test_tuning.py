@@ -1,7 +1,9 @@
 """Tuned specialization: several configurations compiled and timed once per machine, the fastest correct one kept."""
 
 import io
+import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -346,18 +348,18 @@ def test_bf16_runs_in_fp32_only_where_fp32_measures_faster(conv_program, conv_mo
     # Each candidate's timing as if `faster`'s builds took half the time of the others'.
     monkeypatch.setattr(tuning, "BUDGET_FACTOR", 1000.0)
     last: list[str] = []
-    real_compile, real_time = specialize_module.compile_with_encoder, tuning._time
+    real_compile, real_time = specialize_module.compile_with_encoder, tuning._time_against
 
     def recording(*args, **kwargs):
         last[:] = ["fp32" if tuple(kwargs.get("semantic_flags", ())) == precision_flags("fp32") else "bf16"]
         return real_compile(*args, **kwargs)
 
-    def timed(runner, calls, budget_s):
-        outputs, _ = real_time(runner, calls, budget_s)
-        return outputs, 0.5 if last[0] == faster else 1.0
+    def timed(kept, candidate, calls, budget_s):  # the candidate is the one built last
+        outputs, seconds, _ = real_time(kept, candidate, calls, budget_s)
+        return outputs, seconds, 0.5 if last[0] == faster else 2.0
 
     monkeypatch.setattr(specialize_module, "compile_with_encoder", recording)
-    monkeypatch.setattr(tuning, "_time", timed)
+    monkeypatch.setattr(tuning, "_time_against", timed)
     program = Runtime(cache_dir=tmp_path).load_program(conv_program, precision="bf16")
     (y,) = program.load_method("forward").execute([X])
     program.close()
@@ -448,3 +450,27 @@ def test_every_candidate_keeps_matmuls_data_tiled(candidate):
         "--iree-opt-data-tiling", "--iree-dispatch-creation-experimental-set-data-tiling-ops=convolution",
         "--compile-to=executable-configurations"])
     assert b"linalg.mmt4d" not in alone  # the check can fail: what the candidates used to be
+
+
+def test_a_candidate_is_timed_side_by_side_with_the_kept_configuration_as_the_machine_speed_moves():
+    """`_time_against` runs both in each round, order alternating: a machine whose speed changes between rounds
+    (here 3x slower every other round) moves both alike, and the median of the rounds' ratios is the true one."""
+    sig = tuning.Signature("f", (((1,), "float32"),), 1)
+    calls = [(sig, [np.zeros(1, np.float32)])]
+    rounds = itertools.count()
+    state = {"slow": False, "runs": 0}
+
+    def runner(cost_s: float):
+        def run(name, arrays, results):
+            state["runs"] += 1
+            if state["runs"] % 2 == 1:  # the first of a round's two runs sets the round's speed
+                state["slow"] = next(rounds) % 2 == 1
+            time.sleep(cost_s * (3.0 if state["slow"] else 1.0))
+            return [np.ones(1, np.float32) * cost_s]
+        return run
+
+    kept, candidate = runner(0.004), runner(0.002)
+    outputs, fastest, ratio = tuning._time_against(kept, candidate, calls, budget_s=0.15)
+    assert outputs == [[np.ones(1, np.float32) * 0.002]]  # the candidate's own results
+    assert 0.4 < ratio < 0.62, ratio  # 0.5, whatever window each ran in
+    assert 0.0019 < fastest < 0.004
