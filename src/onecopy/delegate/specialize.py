@@ -262,13 +262,32 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
         made = build(DEFAULT)
         made.tuning = Tuning(DEFAULT, note=order, precision=precision).record()  # plan's ONE_CONFIGURATION
         return made
+
+    def build_code(candidate: Candidate) -> tuple[Specialization, bytes | memoryview]:
+        made = build(candidate)
+        assert made.module is not None  # specialize's builds always compile a module
+        return made, made.module
+
+    chosen, _ = _tuned_models(source, build_code, parameters, target, where, options=options, precision=precision,
+                              order=order)
+    return chosen
+
+
+def _tuned_models(source: memoryview | None, build: Callable[[Candidate], tuple[Specialization, bytes | memoryview]],
+                  parameters: Mapping[str, memoryview], target: Target, where: str,
+                  **options: Any) -> tuple[Specialization, bytes | memoryview]:
+    """tuning.tune (`options` its keywords) over what `build` makes for each candidate: its specialization and
+    the code that runs with its encoded weights, loaded as a model to time. A candidate's model and weights go as
+    soon as it is out of the running (no more than two held). The chosen specialization, its tuning record set,
+    and its code."""
     models: dict[int, LoadedModel] = {}  # by id() of the Specialization each was loaded from
+    code_of: dict[int, bytes | memoryview] = {}
 
     def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
-        made = build(candidate)
+        made, code = build(candidate)
         encoded = {name: memoryview(array) for name, array in made.encoded.items()}
-        model = LoadedModel(made.module, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
-        models[id(made)] = model
+        model = LoadedModel(code, parameters, target, f"{where} (tuning {candidate.name})", encoded=encoded)
+        models[id(made)], code_of[id(made)] = model, code
         return made, _runner(model)
 
     def release(made: Specialization) -> None:  # out of the running: its model and encoded weights go now
@@ -278,13 +297,12 @@ def _build_tuned(source: memoryview, build: Callable[[Candidate], Specialization
         made.encoded.clear()
 
     try:
-        chosen, tuning = tuned(source, build_and_load, where, options=options, precision=precision, order=order,
-                               release=release)
+        chosen, tuning = tuned(source, build_and_load, where, release=release, **options)
     finally:
         for model in models.values():
             model.close()
     chosen.tuning = tuning.record()
-    return chosen
+    return chosen, code_of[id(chosen)]
 
 
 def _calibrate_executors(module: bytes | memoryview, found: list[Signature],
@@ -352,33 +370,14 @@ def _encode_faster(aot: AotCode, fp32: AotCode, parameters: Mapping[str, memoryv
     """`aot` and `fp32` encoded and timed (tuning.tune, `aot` the reference): the faster one's packed weights
     and tuning record, and its code."""
     codes = {Candidate(f"the {aot.precision} code"): aot, Candidate("the fp32 code", precision="fp32"): fp32}
-    models: dict[int, LoadedModel] = {}
-    code_of: dict[int, bytes | memoryview] = {}
 
-    def build_and_load(candidate: Candidate) -> tuple[Specialization, Runner]:
+    def build(candidate: Candidate) -> tuple[Specialization, bytes | memoryview]:
         chosen = codes[candidate]
-        made = Specialization(None, _encode(chosen.encoder, parameters, target, where))
-        encoded = {name: memoryview(array) for name, array in made.encoded.items()}
-        model = LoadedModel(chosen.code, parameters, target, f"{where} (timing its {chosen.precision} code)",
-                            encoded=encoded)
-        models[id(made)], code_of[id(made)] = model, chosen.code
-        return made, _runner(model)
+        return Specialization(None, _encode(chosen.encoder, parameters, target, where)), chosen.code
 
-    def release(made: Specialization) -> None:
-        model = models.pop(id(made), None)
-        if model is not None:
-            model.close()
-        made.encoded.clear()
-
-    try:
-        chosen, tuning = tuned(None, build_and_load, where, options=list(codes), precision=aot.precision,
-                               order=f"the program's {aot.precision} and fp32 code, compiled at export",
-                               release=release, functions=found, timing_s=AOT_TIMING_S, budget_s=math.inf)
-    finally:
-        for model in models.values():
-            model.close()
-    chosen.tuning = tuning.record()
-    return chosen, code_of[id(chosen)]
+    return _tuned_models(None, build, parameters, target, where, options=list(codes), precision=aot.precision,
+                         order=f"the program's {aot.precision} and fp32 code, compiled at export", functions=found,
+                         timing_s=AOT_TIMING_S, budget_s=math.inf)
 
 
 def _runner(model: LoadedModel) -> Runner:
