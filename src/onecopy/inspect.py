@@ -191,6 +191,8 @@ def describe_tuning(tuning: dict[str, Any] | None, packaging: str = "mlir") -> s
     trials = []
     for trial in tuning["candidates"]:
         shown = f"{trial['latency_ms']:.3f} ms" if trial.get("latency_ms") is not None else ""
+        if trial.get("ratio_to_kept") is not None:  # what decided: timed side by side with the one kept then
+            shown += f" ({trial['ratio_to_kept']:.2f}x the kept one's time)"
         if trial.get("error"):
             shown = f"{shown}, {trial['error']}" if shown else trial["error"]
         trials.append(f"{trial['name']} {shown}")

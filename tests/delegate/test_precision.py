@@ -139,6 +139,8 @@ def test_a_vmfb_program_in_bf16_runs_the_code_measured_faster_and_restores_it(vm
     assert entry_tunings(tmp_path)["fp32"] is None  # fp32 has nothing to choose between
     shown = describe_tuning(tuning, "vmfb")
     assert shown.startswith(f"tuned: chose the {faster} code in ") and "budget" not in shown
+    assert f"({tuning['candidates'][1]['ratio_to_kept']:.2f}x the kept one's time)" in shown
+    assert tuning["candidates"][1]["ratio_to_kept"] == (0.5 if faster == "fp32" else 2.0)  # as the fixture timed
     assert ("bf16 allowed, fp32 measured faster here: runs in fp32" in shown) == (faster == "fp32")
     assert describe_tuning(None, "vmfb") == "code compiled at export, weights packed here (nothing to choose between)"
     scale = float(np.abs(fp32).max())
