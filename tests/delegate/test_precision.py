@@ -210,3 +210,28 @@ def test_a_model_of_nhwc_depthwise_convs_loads_in_bf16_without_im2col(tmp_path, 
     # Every tuning candidate fell back the same way; each load said so once.
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "im2col-for-convs failed" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage()[:100] for r in warned]
+
+
+@needs_native_bf16
+def test_without_a_cache_a_shared_vmfb_model_in_bf16_is_not_shared_across_the_choice(small_methods, tmp_path,
+                                                                                    monkeypatch, aot_faster):
+    """With no cache entry to tell them apart, a load that chose the fp32 code by timing and one that runs the bf16
+    code (tune=False), open together, hold models of their own, each with its own answers."""
+    from onecopy.export import Partitioner
+
+    path = export_program(small_methods, partitioner=Partitioner(multifunction=True, skip_ops=()),
+                          compile_spec=CompileSpec(packaging="vmfb", precisions=("fp32", "bf16"))).save(
+        tmp_path / "mf-bf16.onecopy")
+    monkeypatch.setenv("ONECOPY_DISABLE_CACHE", "1")
+    aot_faster("fp32")
+    fp32 = run(path, None, "fp32")
+    runtime = Runtime()
+    programs = {tune: runtime.load_program(path, precision="bf16", backend_options={
+        "IreeBackend": {"share_multifunction_model": True, "tune": tune}}) for tune in (True, False)}
+    try:
+        results = {tune: program.load_method("forward").execute([X])[0] for tune, program in programs.items()}
+    finally:
+        for program in programs.values():
+            program.close()
+    np.testing.assert_array_equal(results[True], fp32)  # the fp32 code, chosen
+    assert float(np.abs(results[False] - fp32).max()) > 1e-4 * float(np.abs(fp32).max())  # the bf16 code

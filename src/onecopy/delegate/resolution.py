@@ -73,7 +73,7 @@ class Resolved:
         if self.cache is not None:
             return (self.cache.identity, self.cache_key, self.driver, self.workers)
         return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision,
-                self.driver, self.workers)
+                self.fp32_bundle, self.driver, self.workers)  # fp32_bundle: whether its code was chosen by timing
 
 
 def resolve(context: InitContext, manifest: Manifest) -> Resolved:
