@@ -61,6 +61,7 @@ class Resolved:
     # vmfb in bf16: the same target's fp32 code, which the load that encodes the weights times against the bf16
     # code, running whichever measured faster (bf16 is allowed, not forced: tuning.with_fp32). None: no choice.
     fp32_bundle: str | None = None
+    tuned: bool = False  # mlir: specialized tuned (tunes()); in the cache key's features, and so in the table's
 
     @property
     def key_prefix(self) -> str:
@@ -72,8 +73,9 @@ class Resolved:
         is identified by export hash, target and compute units instead."""
         if self.cache is not None:
             return (self.cache.identity, self.cache_key, self.driver, self.workers)
+        # Whether its code was chosen by timing (tuned; a vmfb's precision) decides the code, as the key would.
         return (None, self.manifest.packaging, self.manifest.export_hash, self.target.name, self.units, self.precision,
-                self.fp32_bundle, self.driver, self.workers)  # fp32_bundle: whether its code was chosen by timing
+                self.tuned, self.fp32_bundle, self.driver, self.workers)
 
 
 def resolve(context: InitContext, manifest: Manifest) -> Resolved:
@@ -103,7 +105,8 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         driver = _driver(context, target)
         check_precision_runs_here(precision, compute_unit=target.compute_unit, cpu_flags=cpu_flags(), where=where)
         if cache_disabled():
-            return Resolved(manifest, units, target, None, None, precision, driver, threads)
+            return Resolved(manifest, units, target, None, None, precision, driver, threads,
+                            tuned=tunes(context, manifest))
         flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
         features = host_features(target) + "|" + " ".join(flags)
         features += "|tuned" if tunes(context, manifest) else ""
