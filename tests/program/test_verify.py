@@ -52,6 +52,18 @@ def test_a_flipped_vmfb_bundle_fails_load_method_before_the_engine_sees_it(small
         assert [p.where for p in program.verify()] == [f"segment '{key}'"]
 
 
+def test_a_flipped_vmfb_bundle_fails_a_load_that_restores_its_packed_weights_too(small_vmfb_program, tmp_path):
+    # The code that runs is read once the cache entry says which precision's it is: after the restore.
+    with Runtime(cache_dir=tmp_path).load_program(small_vmfb_program.to_bytes()) as program:
+        for name in program.method_names:  # the entries of their packed weights
+            program.load_method(name)
+    data, key = flipped(small_vmfb_program.to_bytes(), "bundle/")
+    with Runtime(cache_dir=tmp_path).load_program(data) as program:
+        with pytest.raises(ProgramFormatError, match=rf"bundle '{re.escape(key)}' does not match its recorded sha256"):
+            for name in program.method_names:
+                program.load_method(name)
+
+
 def test_a_manifest_of_the_wrong_type_loads_fails_load_method_and_is_listed(small_program):
     data = with_manifest(small_program, 0, function=3)
     with Runtime().load_program(data) as program:  # manifests are the backend's: checked at its init

@@ -355,21 +355,17 @@ class IreeBackend(Backend):
         # encoder; the module runs in place from the program file).
         produce: Callable[[Path | None], Specialization] | None
         if manifest.packaging == "vmfb":
-            code: bytes | memoryview | None = _code(context, manifest.bundle[resolved.bundle], "bundle")
             encoder_key = manifest.encoders.get(resolved.bundle)
             if encoder_key is None:  # nothing packed ahead of time (older program, non-CPU target, no data tiling)
                 produce = None
             else:
-                encoder_what = f"parameter encoder for {resolved.bundle}"
-                _named(context.named_data, encoder_key, encoder_what, where)
+                _named(context.named_data, encoder_key, f"parameter encoder for {resolved.bundle}", where)
                 # Its bytes are checked when it runs (once per machine), not on the loads that restore its output.
-                vmfb = code  # bound now: `code` is rebound below
                 produce = lambda scratch: encode(
-                    AotCode(resolved.precision, vmfb, _code(context, encoder_key, encoder_what)), parameters, target,
-                    where, functions=manifest.signatures, state_zeros=state_zeros,
+                    _aot_code(context, manifest, resolved.bundle), parameters, target, where,
+                    functions=manifest.signatures, state_zeros=state_zeros,
                     fp32=_aot_code(context, manifest, resolved.fp32_bundle) if resolved.fp32_bundle else None)
         else:
-            code = None  # the specialized module
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
@@ -378,6 +374,7 @@ class IreeBackend(Backend):
         state = "restored"
         calibration: dict | None = None
         tuning: dict | None = None
+        module: bytes | memoryview | None = None  # mlir: the specialized module
         if produce is not None:
             if resolved.cache is None:
                 result = produce(None)
@@ -396,30 +393,36 @@ class IreeBackend(Backend):
                 )
                 module, encoded, calibration = entry.module(), entry.encoded(), entry.executors
                 tuning = entry.tuning
-            code = code if code is not None else module
+        code: bytes | memoryview | None = module
+        if manifest.packaging == "vmfb":
+            # Read (its bytes checked) once the entry says which code its weights were packed for: the load's
+            # precision, or fp32 where that measured faster.
             chosen = (tuning or {}).get("chosen_precision", resolved.precision)
-            if manifest.packaging == "vmfb" and chosen != resolved.precision:
-                # The entry's weights were packed for the code measured faster (fp32): run that code with them.
+            try:
                 code = _code(context, manifest.bundle[bundle_key(target.name, chosen)], "bundle")
-            if state == "restored" and entry is not None and code:
-                timed = serves if serves is not None else list((calibration or {}).get("functions") or ())
-                again = bool(context.backend_options.get("recalibrate"))
-                if not again and not resolved.driver and stale(calibration, timed, worker_count()):
-                    # Figures of another wait of the calling thread (onecopy.delegate.executors): once, kept.
-                    log.info("%s: executors were timed with the calling thread waiting otherwise than it now does "
-                             "(%s): timing them again", where, caller_wait_mode())
-                    again = True
-                retimes = None
-                if not again and not resolved.driver and measured_busy(calibration, worker_count()):
-                    # Timed while others took the cores: again, counted, BUSY_RETIMES times at most.
-                    assert calibration is not None
-                    retimes = int(calibration.get("busy_retimes", 0)) + 1
-                    log.info("%s: executors were timed while other processes or threads took %.2f cores: timing them again "
-                             "(%d of at most %d)", where, calibration["other_cpu"], retimes, BUSY_RETIMES)
-                    again = True
-                if again:
-                    calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros,
-                                                serves, retimes)
+            except BaseException:  # a damaged file: the restored entry is released, as below
+                if entry is not None:
+                    entry.close()
+                raise
+        if state == "restored" and entry is not None and code:
+            timed = serves if serves is not None else list((calibration or {}).get("functions") or ())
+            again = bool(context.backend_options.get("recalibrate"))
+            if not again and not resolved.driver and stale(calibration, timed, worker_count()):
+                # Figures of another wait of the calling thread (onecopy.delegate.executors): once, kept.
+                log.info("%s: executors were timed with the calling thread waiting otherwise than it now does "
+                         "(%s): timing them again", where, caller_wait_mode())
+                again = True
+            retimes = None
+            if not again and not resolved.driver and measured_busy(calibration, worker_count()):
+                # Timed while others took the cores: again, counted, BUSY_RETIMES times at most.
+                assert calibration is not None
+                retimes = int(calibration.get("busy_retimes", 0)) + 1
+                log.info("%s: executors were timed while other processes or threads took %.2f cores: timing them "
+                         "again (%d of at most %d)", where, calibration["other_cpu"], retimes, BUSY_RETIMES)
+                again = True
+            if again:
+                calibration = _recalibrated(context, resolved, entry, code, encoded, parameters, state_zeros,
+                                            serves, retimes)
         if code is None:  # an mlir key's entry without a module: onecopy never writes one
             if entry is not None:
                 entry.close()
