@@ -20,7 +20,7 @@ from onecopy.delegate.executors import BUSY_RETIMES, caller_wait_mode, choose, m
 from onecopy.delegate.invocation import Invocation, call, call_copied
 from onecopy.delegate.manifest import Manifest, bundle_key, missing_named_data, parse_manifest, split_bundle_key
 from onecopy.delegate.model_set import ModelSet
-from onecopy.delegate.resolution import Resolved, resolve, tunes
+from onecopy.delegate.resolution import Resolved, resolve
 from onecopy.delegate.shared_models import shared_models
 from onecopy.delegate.specialize import AotCode, Specialization, encode, manifest_signatures, recalibrate, specialize
 from onecopy.delegate.targets import CPU_EXECUTORS
@@ -369,7 +369,7 @@ class IreeBackend(Backend):
             source_key = manifest.bundle["portable"]
             _named(context.named_data, source_key, "bundle", where)
             produce = lambda scratch: specialize(_code(context, source_key, "bundle"), parameters, target, where, scratch,
-                                                 tune=tunes(context, manifest), precision=resolved.precision,
+                                                 tune=resolved.tuned, precision=resolved.precision,
                                                  state_zeros=state_zeros)
         state = "restored"
         calibration: dict | None = None

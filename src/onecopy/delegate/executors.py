@@ -51,11 +51,12 @@ __all__ = ["BUSY_CORES", "BUSY_RETIMES", "EXECUTORS", "caller_wait_mode", "calib
 log = logging.getLogger("onecopy")
 
 EXECUTORS = ("parallel", "inline")
-# Figures timed while other processes (or threads of this one) took at least this many cores on average (`other_cpu`) may not be this
-# machine's: ResNet-18 (2 vCPUs) timed while another process took a core read 40.2 ms on the workers against 40.4
-# on the calling thread, a coin toss, where a quiet machine runs it in 21-24 against 37-39 (one benchmark run's
-# bf16 load, likely so chosen, ran 36.8 against 21.0). A restore times such figures again (`measured_busy`), at
-# most BUSY_RETIMES times per entry, so that a machine that stays busy does not pay a calibration at every load.
+# Figures timed while other processes (or threads of this one) took at least this many cores on average
+# (`other_cpu`) may not be this machine's: ResNet-18 (2 vCPUs) timed while another process took a core read 40.2 ms
+# on the workers against 40.4 on the calling thread, a coin toss, where a quiet machine runs it in 21-24 against
+# 37-39 (one benchmark run's bf16 load, likely so chosen, ran 36.8 against 21.0). A restore times such figures
+# again (`measured_busy`), at most BUSY_RETIMES times per entry, so that a machine that stays busy does not pay a
+# calibration at every load.
 BUSY_CORES = 0.5
 BUSY_RETIMES = 3
 _MIN_ROUNDS, _MAX_ROUNDS = 5, 200
@@ -113,9 +114,9 @@ def stale(record: Mapping[str, Any] | None, functions: Collection[str], workers:
 
 
 def measured_busy(record: Mapping[str, Any] | None, workers: int | None = None) -> bool:
-    """Whether `record` was timed while other processes (or threads) took BUSY_CORES or more and has not been timed again
-    BUSY_RETIMES times yet (`busy_retimes`): worth timing again. A record of another number of workers is not
-    used at all (`choose`), so not busy either."""
+    """Whether `record` was timed while other processes (or threads) took BUSY_CORES or more and has not been
+    timed again BUSY_RETIMES times yet (`busy_retimes`): worth timing again. A record of another number of
+    workers is not used at all (`choose`), so not busy either."""
     if not record or not record.get("functions"):
         return False
     if workers is not None and record.get("workers") not in (None, workers):

@@ -61,7 +61,7 @@ class Resolved:
     # vmfb in bf16: the same target's fp32 code, which the load that encodes the weights times against the bf16
     # code, running whichever measured faster (bf16 is allowed, not forced: tuning.with_fp32). None: no choice.
     fp32_bundle: str | None = None
-    tuned: bool = False  # mlir: specialized tuned (tunes()); in the cache key's features, and so in the table's
+    tuned: bool = False  # mlir: specialized tuned (`tunes`): in the cache key's features and the uncached table key
 
     @property
     def key_prefix(self) -> str:
@@ -104,12 +104,12 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
         target = select_target(units, where)
         driver = _driver(context, target)
         check_precision_runs_here(precision, compute_unit=target.compute_unit, cpu_flags=cpu_flags(), where=where)
+        tuned = tunes(context, manifest)
         if cache_disabled():
-            return Resolved(manifest, units, target, None, None, precision, driver, threads,
-                            tuned=tunes(context, manifest))
+            return Resolved(manifest, units, target, None, None, precision, driver, threads, tuned=tuned)
         flags = [*compiler_flags(target, for_host=True), *precision_flags(precision)]
         features = host_features(target) + "|" + " ".join(flags)
-        features += "|tuned" if tunes(context, manifest) else ""
+        features += "|tuned" if tuned else ""
         engine = compiler_version()
     features += "|executors" if target.compute_unit == "cpu" else ""  # entries made since they are timed
     options = context.backend_options
@@ -124,7 +124,7 @@ def resolve(context: InitContext, manifest: Manifest) -> Resolved:
     )
     if manifest.packaging == "vmfb":
         return Resolved(manifest, units, target, cache, key, precision, driver, threads, bundle, fp32_bundle)
-    return Resolved(manifest, units, target, cache, key, precision, driver, threads)
+    return Resolved(manifest, units, target, cache, key, precision, driver, threads, tuned=tuned)
 
 
 def _vmfb_bundle(manifest: Manifest, target: Target, precision: str, where: str) -> str:
