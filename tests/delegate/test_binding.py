@@ -433,6 +433,26 @@ def test_a_prepared_call_on_plain_arrays_copies_their_content_at_each_run(scale_
             assert call.last_copy_stats.copied_in == x.nbytes and call.last_copy_stats.copied_out == out.nbytes
 
 
+def test_a_prepared_call_made_before_a_surface_was_bound_then_runs_on_it_in_place(scale_bias, surfaces):
+    """Prepared on the surfaces' memory while nothing was bound: copied in and out. Once both are bound, the same
+    prepared call reads and writes them in place (the planning `execute` does for bound surfaces)."""
+    src, dst = surfaces(64, 32), surfaces(64, 32)
+    with Runtime().load_program(scale_bias) as program:
+        forward = program.load_method("forward")
+        call = forward.prepare([frame(src)], outputs=[frame(dst)])
+        frame(src)[:] = 1.0
+        call.run()
+        assert forward.last_copy_stats.copied_in == frame(src).nbytes
+        forward.bind_surface(src)
+        forward.bind_surface(dst)
+        frame(src)[:] = 7.0
+        (y,) = call.run()
+        np.testing.assert_array_equal(frame(dst), np.full(SHAPE, 15.0, np.float16))
+        assert pointer(y) == pointer(frame(dst))
+        stats = forward.last_copy_stats
+        assert (stats.copied_in, stats.in_place_in, stats.in_place_out) == (0, frame(src).nbytes, frame(dst).nbytes)
+
+
 def test_a_prepared_call_fails_cleanly_once_its_surface_or_program_is_closed(scale_bias, surfaces):
     src, dst = surfaces(64, 32), surfaces(64, 32)
     program = Runtime().load_program(scale_bias)

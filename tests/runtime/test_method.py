@@ -255,6 +255,25 @@ def test_a_method_keeps_its_program_alive(small_program_path, small_model, rng):
     np.testing.assert_allclose(prepared.run()[0], eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_prepared_call_without_storage_returns_new_arrays_of_what_the_inputs_hold_now(small_program_path,
+                                                                                        small_model, rng):
+    x = np.zeros((1, 64), np.float32)
+    with Runtime().load_program(small_program_path) as program:
+        call = program.load_method("forward").prepare([x])
+        kept = []
+        for _ in range(2):
+            x[:] = rng.standard_normal((1, 64), dtype=np.float32)
+            (y,) = call.run()
+            np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-5, atol=1e-6)
+            kept.append((y, y.copy()))
+        (first, first_value), (second, _) = kept
+        assert first is not second
+        np.testing.assert_array_equal(first, first_value)  # an earlier result is the caller's: untouched
+        assert call.last_copy_stats.copied_in == x.nbytes and call.last_copy_stats.copied_out == y.nbytes
+    with pytest.raises(ExecutionError, match="belongs to a closed program"):
+        call.run()
+
+
 def test_program_from_bytes(small_program, small_model, rng):
     x = rng.standard_normal((16, 64), dtype=np.float32)
     with Runtime().load_program(small_program.to_bytes()) as program:

@@ -97,6 +97,10 @@ class Invocation(Plan):
         self._result_count = max(len(outputs), 1)
         self._args: Any = None
         bindings = function.bindings
+        # The table this plan was made with (replaced, never mutated, on each bind): a surface bound since makes
+        # the next run plan again, so that it reads or writes that surface in place, as a new call would.
+        self._planned_with = bindings
+        self._inputs = inputs
         self._plain = not bindings and not self._in_place
         if self._plain:  # the common call: nothing bound, results returned (`call_copied` runs it)
             self._slots: list[Any] = list(inputs)
@@ -217,6 +221,8 @@ class Invocation(Plan):
         giving back the locks and the VM context, and the results."""
         stats = stats if stats is not None else CopyStats()
         function = self._function
+        if function.bindings is not self._planned_with:
+            self.__init__(function, self._inputs, self._outputs)  # type: ignore[misc]
         if self._plain:
             return call_copied(function, self._slots, self._outputs, stats)
         for binding, what in self._checks_first:
