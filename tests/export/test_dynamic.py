@@ -1,5 +1,7 @@
 """Dynamic dimensions as torch.export makes them: unbounded Dims, sliced examples, sizes across graph breaks."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -146,3 +148,55 @@ def test_memory_planned_dynamic_output_storage_is_checked_against_the_inputs(mlp
         out = np.empty((5, 4), np.float32)
         assert forward.execute([x], [out])[0] is out
         np.testing.assert_allclose(out, eager(mlp, x)[0], rtol=1e-5, atol=1e-6)
+
+
+class PairedRows(torch.nn.Module):
+    """y has 2*T rows, x has T: each x row added to two y rows."""
+
+    def forward(self, x, y):
+        return x.repeat(2, 1) + y
+
+
+class FoldedPairs(torch.nn.Module):
+    """One input of 2*T rows (T named by no input of its own), folded in pairs."""
+
+    def forward(self, y):
+        return y.reshape(-1, 2, 4).sum(1)
+
+
+@pytest.fixture(scope="module")
+def paired_rows():
+    t = torch.export.Dim("T", min=1, max=32)
+    ep = torch.export.export(PairedRows(), (torch.zeros(3, 4), torch.zeros(6, 4)),
+                             dynamic_shapes={"x": {0: t}, "y": {0: 2 * t}})
+    return Runtime().load_program(export_program({"forward": ep}).to_bytes())
+
+
+@pytest.mark.parametrize("rows", [5, 7])
+def test_an_input_sized_by_an_expression_of_another_inputs_dim_is_checked(paired_rows, rng, rows):
+    """y must have 2*T rows: with fewer the engine would read past its end, with more read it in part."""
+    forward = paired_rows.load_method("forward")
+    x = rng.standard_normal((3, 4), dtype=np.float32)
+    assert [m.shape for m in forward.method_meta.inputs] == [("T", 4), ("2*T", 4)]
+    with pytest.raises(ExecutionError, match=rf"Input 1 of method 'forward' has size {rows} at dimension 0; it must "
+                                             r"be '2\*T' = 6 \('T' = 3, from this call's inputs\)"):
+        forward.execute([x, rng.standard_normal((rows, 4), dtype=np.float32)])
+    for t in (3, 5):  # the right sizes run, the checked path and the repeated one
+        x, y = rng.standard_normal((t, 4), dtype=np.float32), rng.standard_normal((2 * t, 4), dtype=np.float32)
+        for _ in range(2):
+            np.testing.assert_allclose(forward.execute([x, y])[0], eager(PairedRows(), x, y)[0], rtol=1e-6)
+
+
+def test_an_expression_dim_whose_symbol_no_input_names_binds_it_or_refuses(rng):
+    t = torch.export.Dim("T", min=1, max=16)
+    ep = torch.export.export(FoldedPairs(), (torch.zeros(6, 4),), dynamic_shapes={"y": {0: 2 * t}})
+    with Runtime().load_program(export_program({"forward": ep}).to_bytes()) as program:
+        forward = program.load_method("forward")
+        y = rng.standard_normal((8, 4), dtype=np.float32)
+        np.testing.assert_allclose(forward.execute([y])[0], eager(FoldedPairs(), y)[0], rtol=1e-6)
+        (expression,) = [d for d in forward.method_meta.inputs[0].shape if isinstance(d, str)]
+        (symbol,) = re.findall(r"[A-Za-z_]\w*", expression)  # torch names it ("s47"), not the Dim
+        for rows in (5, 34):  # odd; beyond the range
+            with pytest.raises(ExecutionError, match=rf"has size {rows} at dimension 0 \('2\*{symbol}'\): no value of "
+                                                     rf"'{symbol}' in its exported range \[\d+, 16\] gives that size"):
+                forward.execute([rng.standard_normal((rows, 4), dtype=np.float32)])

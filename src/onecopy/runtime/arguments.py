@@ -5,6 +5,7 @@ Each error says which argument of which method is wrong and how to fix it; nothi
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +42,12 @@ def _check_list(given: Any, what: str, example: str) -> None:
 
 def _check_tensor(
     array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str,
-    ranges: dict[str, list[int | None]] | None = None,
+    ranges: dict[str, list[int | None]] | None = None, derived: list[tuple[str, int, int, str]] | None = None,
 ) -> None:
+    """`array` against `meta`: dtype, rank, static sizes, and each dynamic dimension that is a symbol of its own
+    ("T": bound in `symbols` by the first input that has it, within its exported range). A dimension that is an
+    expression of symbols ("2*T", derived from another Dim) is left to `_check_derived`, appended to `derived`
+    (what, axis, size, expression), once every input has bound the symbols it names."""
     if array.dtype != meta.dtype:
         raise ExecutionError(
             f"{what} has dtype {array.dtype}; expected {meta.dtype}. Convert it, e.g. x.astype(np.{meta.dtype})."
@@ -51,6 +56,10 @@ def _check_tensor(
         raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
     for axis, (given, want) in enumerate(zip(array.shape, meta.shape)):
         if isinstance(want, str):
+            if not want.isidentifier():
+                if derived is not None:
+                    derived.append((what, axis, given, want))
+                continue
             low, high = (ranges or {}).get(want, (None, None))
             if (low is not None and given < low) or (high is not None and given > high):
                 raise ExecutionError(
@@ -64,6 +73,66 @@ def _check_tensor(
                 )
         elif given != want:
             raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
+
+
+def _solve(expression: str, symbol: str, size: int, symbols: dict[str, int], low: int | None,
+           high: int | None) -> int | None:
+    """The value of `symbol` (the one symbol of `expression` no input bound) within [low, high] that makes
+    `expression` equal `size`, or None. Found directly where the expression is linear in it (a*T + b, what
+    derived Dims are), else searched over a bounded range of at most 2**16 values."""
+    def at(value: int) -> int | None:
+        return dim_value(expression, {**symbols, symbol: value})
+
+    start = low if low is not None else 0
+    v0, v1 = at(start), at(start + 1)
+    if v0 is not None and v1 is not None and v1 != v0 and (size - v0) % (v1 - v0) == 0:
+        guess = start + (size - v0) // (v1 - v0)
+        if guess >= start and (high is None or guess <= high) and at(guess) == size:
+            return guess
+    if high is not None and high - start < 2**16:
+        return next((v for v in range(start, high + 1) if at(v) == size), None)
+    return None
+
+
+def _check_derived(derived: list[tuple[str, int, int, str]], symbols: dict[str, int],
+                   ranges: dict[str, list[int | None]] | None) -> None:
+    """Dimensions that are expressions of other inputs' symbols ("2*T"): each must equal its expression's value.
+    Unchecked, a smaller input would be read past its end by the engine, a larger one read in part. An
+    expression whose one symbol no input has on its own binds it, as torch.export's own guards do."""
+    for what, axis, given, expression in derived:
+        unknown = sorted(_symbols_of(expression) - symbols.keys())
+        if len(unknown) == 1:
+            low, high = (ranges or {}).get(unknown[0], (None, None))
+            solved = _solve(expression, unknown[0], given, symbols, low, high)
+            if solved is None:
+                span = f"[{low if low is not None else 0}, {high if high is not None else 'inf'}]"
+                raise ExecutionError(
+                    f"{what} has size {given} at dimension {axis} ('{expression}'): no value of '{unknown[0]}' in "
+                    f"its exported range {span} gives that size. Pass an input of a size '{expression}' can take."
+                )
+            symbols[unknown[0]] = solved
+        want = dim_value(expression, symbols)
+        if want is None:
+            raise ExecutionError(
+                f"{what} has dimension {axis} of exported size '{expression}', which onecopy cannot work out from "
+                "this call's inputs; re-export with a plain torch.export.Dim for it."
+            )
+        if want != given:
+            names = ", ".join(f"'{n}' = {symbols[n]}" for n in sorted(_symbols_of(expression)) if n in symbols)
+            raise ExecutionError(
+                f"{what} has size {given} at dimension {axis}; it must be '{expression}' = {want} ({names}, from "
+                "this call's inputs)."
+            )
+
+
+def _symbols_of(expression: str) -> set[str]:
+    """The symbols an expression of the header names (not the functions it calls: "Max(1, T)" names T)."""
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except SyntaxError:
+        return set()
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and id(n) not in called}
 
 
 def _check_output(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str) -> None:
@@ -89,11 +158,14 @@ def check_inputs(name: str, definition: MethodDef, meta: MethodMeta, inputs: Seq
         raise ExecutionError(f"Method '{name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
     symbols = {} if symbols is None else symbols
     arrays = []
+    derived: list[tuple[str, int, int, str]] = []
     for i, (value, tmeta) in enumerate(zip(inputs, meta.inputs)):
         what = f"Input {i} of method '{name}'"
         array = as_array(value, what)
-        _check_tensor(array, tmeta, symbols, what, definition.symbols)
+        _check_tensor(array, tmeta, symbols, what, definition.symbols, derived)
         arrays.append(array)
+    if derived:
+        _check_derived(derived, symbols, definition.symbols)
     return arrays
 
 
