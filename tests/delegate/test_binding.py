@@ -13,6 +13,7 @@ from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import hal_device
 from onecopy.errors import ExecutionError, InvalidArgument
 from onecopy.export import Partitioner, export_program
+from tests.conftest import eager
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = (1, 4, 16, 32)  # 64 rows of 32 fp16 values: 64-byte rows, a dense surface
@@ -431,6 +432,30 @@ def test_a_prepared_call_on_plain_arrays_copies_their_content_at_each_run(scale_
             assert y is out
             np.testing.assert_array_equal(out, np.full(SHAPE, value * 2 + 1, np.float16))
             assert call.last_copy_stats.copied_in == x.nbytes and call.last_copy_stats.copied_out == out.nbytes
+
+
+class Flip(torch.nn.Module):
+    """Each output row reads another input row: run in place over its own input it would read rows it wrote."""
+
+    def forward(self, x):
+        return torch.flip(x, [2]) + 1
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_one_surface_as_input_and_output_is_written_after_the_engine_read_it(surfaces, prepared):
+    src = surfaces(64, 32)
+    with Runtime().load_program(export_frame(Flip(), SHAPE).to_bytes()) as program:
+        forward = bound_forward(program, src)
+        for value in range(2):  # the checked call, then the kept one
+            frame(src)[:] = np.arange(64 * 32, dtype=np.float16).reshape(SHAPE) % 512 + value
+            want = eager(Flip(), frame(src).copy())[0]
+            call = forward.prepare([frame(src)], outputs=[frame(src)]).run if prepared else (
+                lambda: forward.execute([frame(src)], outputs=[frame(src)]))
+            (y,) = call()
+            assert pointer(y) == pointer(frame(src))
+            np.testing.assert_array_equal(frame(src), want)
+            stats = forward.last_copy_stats
+            assert (stats.in_place_in, stats.in_place_out, stats.copied_out) == (src.nbytes, 0, src.nbytes)
 
 
 def test_a_prepared_call_made_before_a_surface_was_bound_then_runs_on_it_in_place(scale_bias, surfaces):

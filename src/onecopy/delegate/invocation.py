@@ -84,6 +84,16 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
     return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
 
 
+def _byte_range(array: np.ndarray) -> tuple[int, int]:
+    """The bytes a dense array spans, [start, end)."""
+    start = data_pointer(array)
+    return start, start + array.nbytes
+
+
+def _overlaps(span: tuple[int, int], spans: Sequence[tuple[int, int]]) -> bool:
+    return any(start < span[1] and span[0] < end for start, end in spans)
+
+
 class Invocation(Plan):
     """A planned call of `function` on `inputs`, writing `outputs` (None entries: new arrays each run)."""
 
@@ -113,6 +123,7 @@ class Invocation(Plan):
 
         # Per argument: a buffer view (in place) or an array to copy in at each run.
         self._slots = []
+        read_in_place: list[tuple[int, int]] = []  # byte ranges the engine reads in place
         self._copied = []
         self._open_checks = []  # bound surfaces: closed ones fail the run
         locks: dict[str, tuple[Any, bool]] = {}  # surface name -> (surface, readonly); a writer wins
@@ -125,6 +136,7 @@ class Invocation(Plan):
             if binding is not None and binding.in_place(array):
                 self._slots.append(binding.buffer_view(device, array.shape, array.dtype, what))
                 in_place_in += array.nbytes
+                read_in_place.append(_byte_range(array))
                 locks.setdefault(binding.surface.name, (binding.surface, True))
             else:
                 self._slots.append(array)
@@ -143,7 +155,11 @@ class Invocation(Plan):
                 what = f"output {i}"
                 if binding is not None:
                     self._open_checks.append((binding, what))
-                if binding is not None and binding.in_place(out):  # type: ignore[arg-type]
+                # An output over memory the engine reads in place (the same surface given as input and output)
+                # lands in an engine buffer first: a kernel may read an input element after writing an output
+                # element there (a flip, a convolution), which would read its own results.
+                if (binding is not None and binding.in_place(out)  # type: ignore[arg-type]
+                        and not _overlaps(_byte_range(out), read_in_place)):  # type: ignore[arg-type]
                     self._slots.append(binding.buffer_view(device, out.shape, out.dtype, what))  # type: ignore[union-attr]
                     in_place_out += out.nbytes  # type: ignore[union-attr]
                     locks[binding.surface.name] = (binding.surface, False)
