@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from onecopy import Runtime
-from onecopy.errors import InvalidArgument, UnsupportedOperator
+from onecopy.errors import ExportError, InvalidArgument, UnsupportedOperator
 from onecopy.export import CompileSpec, Partitioner, export_program
 from onecopy.program import read_program
 from onecopy.runtime import register_host_kernel
@@ -234,3 +234,47 @@ def test_two_exports_of_one_graph_broken_model_store_the_same_bundles(small_meth
 
     first = bundles()
     assert len(first) == 6 and first == bundles()
+
+
+class Precise(torch.nn.Module):
+    """float64 in and out, with a step float32 would lose: 1e-12 added to values near 1."""
+
+    def forward(self, x):
+        return (x + 1e-12) * 2 - 2
+
+
+@pytest.mark.parametrize("packaging", PACKAGINGS)
+def test_float64_inputs_and_outputs_compute_in_float64(packaging, rng):
+    x = np.ones(8) + rng.standard_normal(8) * 1e-9
+    ep = torch.export.export(Precise(), (torch.from_numpy(x),))
+    program = export_program({"forward": ep}, compile_spec=CompileSpec(packaging=packaging))
+    (y,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    assert y.dtype == np.float64
+    np.testing.assert_allclose(y, eager(Precise(), x)[0], rtol=0, atol=1e-15)  # float32 would be off by ~1e-7
+
+
+class PlusOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+class HalfState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        self.total.add_(x.to(torch.bfloat16))
+        return self.total.float()
+
+
+@pytest.mark.parametrize(("model", "example", "named"), [
+    (PlusOne, torch.zeros(4, dtype=torch.bfloat16), r"Method 'forward', input 'x': 'x' is bfloat16"),
+    (HalfState, torch.zeros(4), r"State 'total' is bfloat16"),
+])
+def test_a_bfloat16_tensor_the_runtime_would_hand_over_is_refused_at_export(model, example, named):
+    """numpy has no bfloat16: such a program could never load, so no file is written."""
+    ep = torch.export.export(model(), (example,))
+    with pytest.raises(ExportError, match=named + r", which the runtime cannot hand over: numpy has no such dtype .*"
+                                          r"load it with precision='bf16'"):
+        export_program({"forward": ep})

@@ -190,6 +190,9 @@ def compiler_flags(target: Target, *, for_host: bool, data_tiling: bool = True) 
         flags.append(f"--iree-llvmcpu-target-triple={target.triple}")
         cpu = "host" if for_host else (target.aot_cpu or "generic")
         flags.append(f"--iree-llvmcpu-target-cpu={cpu}")
+        # float64 stays float64, as torch computes it: IREE demotes it to float32 by default, which gave a
+        # method's float64 inputs and outputs half the bytes its header promises (refused at the first call).
+        flags.append("--iree-input-demote-f64-to-f32=false")
         if data_tiling:
             # Measured faster on the host CPU (AVX2): packed layouts and microkernels for matmuls.
             flags += ["--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]

@@ -30,6 +30,7 @@ from onecopy.delegate.manifest import READ_STATES, RESET_STATES, WRITE_STATES, S
 from onecopy.errors import ExportError
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
+from onecopy.export.symbols import spec_dtype
 
 __all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "held_states", "register_states", "stage_helpers", "state_groups"]
 
@@ -136,7 +137,7 @@ def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, b
             key = parameter_key(table.digests[initial])
         states.bindings[name] = StateBinding(name, f"{STATE_PREFIX}{k}", tuple(tensor.shape), tensor.dtype, initial)
         states.defs.append(StateDef(
-            name=name, spec=TensorSpec(shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")),
+            name=name, spec=TensorSpec(shape=list(tensor.shape), dtype=spec_dtype(tensor.dtype, f"State '{name}'")),
             initial=key))
     return states
 

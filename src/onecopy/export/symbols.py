@@ -15,8 +15,9 @@ from torch.export.graph_signature import InputKind
 
 from onecopy.errors import ExportError
 from onecopy.program import TensorSpec
+from onecopy.program.validate import DTYPES
 
-__all__ = ["tensor_spec", "rename_symbols", "symbol_names", "symbol_ranges"]
+__all__ = ["spec_dtype", "tensor_spec", "rename_symbols", "symbol_names", "symbol_ranges"]
 
 
 def tensor_spec(node: fx.Node, where: str, names: Mapping[str, str] | None = None) -> TensorSpec:
@@ -24,7 +25,21 @@ def tensor_spec(node: fx.Node, where: str, names: Mapping[str, str] | None = Non
     if not isinstance(val, torch.Tensor):
         raise ExportError(f"{where}: '{node.name}' is not a tensor ({type(val).__name__}); only tensors cross a method's boundary.")
     shape = [int(d) if isinstance(d, int) or not hasattr(d, "node") else rename_symbols(str(d), names or {}) for d in val.shape]
-    return TensorSpec(shape=shape, dtype=str(val.dtype).removeprefix("torch."))
+    return TensorSpec(shape=shape, dtype=spec_dtype(val.dtype, f"{where}: '{node.name}'"))
+
+
+def spec_dtype(dtype: torch.dtype, what: str) -> str:
+    """The program's name for a tensor's dtype where the runtime hands the tensor over as a numpy array (a method's
+    inputs and outputs, constants, states): refused here when numpy has no such dtype, so that no file is written
+    that no runtime could load."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        hint = ("cast it at the method's boundary inside the model (x.float() or x.half()), or export the model "
+                "in float32 and load it with precision='bf16' to compute in bf16") if name == "bfloat16" else (
+                "cast it at the method's boundary inside the model to one of those")
+        raise ExportError(f"{what} is {name}, which the runtime cannot hand over: numpy has no such dtype (a "
+                          f"program's tensors are one of {', '.join(sorted(DTYPES))}). To fix it, {hint}.")
+    return name
 
 
 _TORCH_SYMBOL = re.compile(r"\b[su]\d+\b")  # torch's names for sizes: s31 (from inputs), u0 (data-dependent)
