@@ -372,10 +372,28 @@ class Method:
         except Exception as e:
             raise ExecutionError(f"Method '{self.name}': host kernel '{ins.op}' failed: {e}") from e
         if len(ins.outputs) == 1:
-            values[ins.outputs[0]] = np.asarray(result)
+            arrays = [np.asarray(result)]
         else:
-            for vid, array in zip(ins.outputs, result):
-                values[vid] = np.asarray(array)
+            arrays = [np.asarray(array) for array in result]
+            if len(arrays) != len(ins.outputs):
+                raise ExecutionError(f"Method '{self.name}': host kernel '{ins.op}' returned {len(arrays)} arrays; "
+                                     f"the op has {len(ins.outputs)} outputs.")
+        definition = self._definition
+        for vid, array in zip(ins.outputs, arrays):
+            # A method output has the dtype torch.export recorded (output_specs, method_meta): a kernel's result
+            # in another dtype is cast to it where that is safe (an int32 for an int64, say), else refused rather
+            # than rounded or truncated silently. (The built-in kernels return torch's dtype already.)
+            if vid in definition.outputs:
+                index = definition.outputs.index(vid)
+                want = np.dtype(definition.output_specs[index].dtype)
+                if array.dtype != want:
+                    if not np.can_cast(array.dtype, want, "safe"):
+                        raise ExecutionError(
+                            f"Method '{self.name}': host kernel '{ins.op}' returned {array.dtype} for output "
+                            f"{index} of the method, which torch.export recorded as {want}; a host kernel must "
+                            "return the dtype torch computes for the op.")
+                    array = array.astype(want)
+            values[vid] = array
 
 
 class PreparedCall:
