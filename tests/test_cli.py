@@ -4,11 +4,29 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from onecopy.cli import main
 from onecopy.delegate.precision import native_bf16_flags
 from onecopy.delegate.targets import cpu_flags, host_cpu_target
 from tests.conftest import eager, with_manifest
+
+
+class _PairAndEmpty(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, x + 1
+
+
+@pytest.fixture(scope="module")
+def pair_program_path(tmp_path_factory):
+    """Method 'pair': two outputs of [2, 3]; method 'empty': the same on a [0, 3] input (outputs of no elements)."""
+    from onecopy.export import CompileSpec, export_program
+
+    model = _PairAndEmpty()
+    methods = {"pair": torch.export.export(model, (torch.ones(2, 3),)),
+               "empty": torch.export.export(model, (torch.ones(0, 3),))}
+    program = export_program(methods, compile_spec=CompileSpec(packaging="mlir"))
+    return program.save(tmp_path_factory.mktemp("programs") / "pair.onecopy")
 
 
 def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
@@ -131,8 +149,10 @@ def test_profile_prints_each_methods_dispatches_and_json(small_program_path, cap
     profiles = json.loads(capsys.readouterr().out)
     assert list(profiles) == ["prefill"] and profiles["prefill"]["calls"] > 0
     assert sum(row["per_call"] for row in profiles["prefill"]["rows"] if "matmul" in row["name"]) == 3
-    assert main(["profile", str(small_program_path), "--seconds", "0"]) == 2
-    assert "--seconds must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["profile", str(small_program_path), "--seconds", "0"])
+    assert exit.value.code == 2
+    assert "argument --seconds: must be positive, got 0" in capsys.readouterr().err
 
 
 def test_profile_takes_a_methods_inputs_from_npy_files(small_program_path, tmp_path, capsys):
@@ -199,3 +219,100 @@ def test_inspect_of_a_bad_manifest_names_the_delegate_and_the_field(small_progra
     assert main(["inspect", str(path)]) == 2
     assert (f"onecopy inspect: error: Program '{path}', delegate 0 (IreeBackend): invalid manifest: Expected `str`, "
             "got `int` - at `$.function`. Re-export the program.") in capsys.readouterr().err
+
+
+def test_run_writes_no_output_when_one_of_them_cannot_be(pair_program_path, tmp_path, capsys, monkeypatch):
+    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    first, missing = tmp_path / "a.npy", tmp_path / "no_such_dir" / "b.npy"
+    argv = ["run", str(pair_program_path), "--method", "pair", "--input", str(tmp_path / "x.npy")]
+    assert main([*argv, "--output", str(first), "--output", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"onecopy run: error: --output '{missing}': directory '{missing.parent}' does "
+                                       "not exist; create it or name a file in an existing directory.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]  # the first was not written either
+    # A write that fails part way (a full disk): the files there before are as they were, no temporary file is left.
+    first.write_bytes(b"before")
+    real_save, saved = np.save, []
+
+    def full_disk(file, array, **kwargs):
+        if saved:
+            raise OSError(28, "No space left on device")
+        saved.append(file)
+        real_save(file, array, **kwargs)
+
+    monkeypatch.setattr(np, "save", full_disk)
+    assert main([*argv, "--output", str(first), "--output", str(tmp_path / "b.npy")]) == 2
+    assert capsys.readouterr().err == (f"onecopy run: error: --output '{tmp_path / 'b.npy'}' could not be written "
+                                       "(No space left on device); no output file was changed. Free space in its "
+                                       "directory or name another.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "x.npy"] and first.read_bytes() == b"before"
+
+
+def test_run_writes_each_output_at_exactly_the_path_named(pair_program_path, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones((2, 3), np.float32))
+    assert main(["run", str(pair_program_path), "--method", "pair", "--input", str(tmp_path / "x.npy"),
+                 "--output", str(tmp_path / "out.txt"), "--output", str(tmp_path / "b")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "out.txt", "x.npy"]  # no .npy added to either
+    np.testing.assert_array_equal(np.load(tmp_path / "out.txt"), np.full((2, 3), 2, np.float32))
+    np.testing.assert_array_equal(np.load(tmp_path / "b"), np.full((2, 3), 2, np.float32))
+    assert "output 1: float32[2, 3] min 2 max 2 mean 2" in capsys.readouterr().out
+
+
+def test_run_summarizes_and_writes_an_output_of_no_elements(pair_program_path, tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.ones((0, 3), np.float32))
+    out = tmp_path / "y.npy"
+    assert main(["run", str(pair_program_path), "--method", "empty", "--input", str(tmp_path / "x.npy"),
+                 "--output", str(out), "--output", str(tmp_path / "z.npy")]) == 0
+    assert capsys.readouterr().out == "output 0: float32[0, 3] (empty)\noutput 1: float32[0, 3] (empty)\n"
+    assert np.load(out).shape == (0, 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
+    (["bench", "--runs", "-3"], "argument --runs: must be at least 1, got -3"),
+    (["bench", "--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+    (["bench", "--runs", "many"], "argument --runs: 'many' is not a whole number"),
+    (["profile", "--seconds", "nan"], "argument --seconds: must be positive, got nan"),
+    (["profile", "--seconds", "-1"], "argument --seconds: must be positive, got -1"),
+    (["profile", "--top", "-1"], "argument --top: must be at least 0, got -1"),
+])
+def test_bench_and_profile_counts_are_checked_before_anything_runs(small_program_path, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([argv[0], str(small_program_path), *argv[1:]])
+    assert exit.value.code == 2
+    assert f"onecopy {argv[0]}: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["ls", "verify", "clear"])
+def test_cache_commands_refuse_a_cache_dir_that_does_not_exist_and_create_nothing(action, tmp_path, capsys,
+                                                                                isolated_cache):
+    typo = tmp_path / "typo" / "cache"
+    assert main(["cache", action, "--cache-dir", str(typo)]) == 2
+    assert capsys.readouterr().err == (
+        f"onecopy cache: error: --cache-dir '{typo}' does not exist; nothing was read or created. Check the path, "
+        f"or leave --cache-dir out to use the default, '{isolated_cache}' ($ONECOPY_CACHE_DIR).\n")
+    assert not (tmp_path / "typo").exists()
+    assert main(["cache", action, "--cache-dir", str(tmp_path)]) == 0  # one that exists: as before
+
+
+def test_export_refuses_a_method_named_twice(tmp_path, capsys):
+    assert main(["export", "tests.conftest:small_builtin", "--method", "forward=1x64", "--method", "forward=2x64",
+                 "-o", str(tmp_path / "x.onecopy")]) == 2
+    assert capsys.readouterr().err == (
+        "onecopy export: error: --method 'forward' is given twice ('forward=1x64' and 'forward=2x64'); give each "
+        "method name once (export another shape under another name, e.g. forward2=...).\n")
+    assert not (tmp_path / "x.onecopy").exists()
+
+
+@pytest.mark.parametrize("model, method, shapes, torch_message", [
+    ("tests.conftest:small_builtin", "forward=1x32", "float32[1, 32]", "RuntimeError: "),  # width 64
+    ("tests.conftest:TwoInTwoOut", "forward=1x32", "float32[1, 32]", "TypeError: missing a required argument: 'y'"),
+])
+def test_export_reports_a_model_that_does_not_take_the_shapes_given(model, method, shapes, torch_message, tmp_path,
+                                                                    capfd):
+    assert main(["export", model, "--method", method, "-o", str(tmp_path / "x.onecopy")]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(f"onecopy export: error: Method 'forward' (--method {method}): torch.export could not trace "
+                          f"'{model}' with example inputs ({shapes}): {torch_message}")
+    assert err.endswith("Give --method the shapes (and number) of inputs the model's forward takes.\n")
+    assert "Traceback" not in err
+    assert not (tmp_path / "x.onecopy").exists()

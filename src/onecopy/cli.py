@@ -6,12 +6,14 @@ import argparse
 import contextlib
 import importlib
 import logging
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from onecopy.errors import InvalidArgument, OnecopyError
+from onecopy.errors import ExportError, InvalidArgument, OnecopyError
 
 __all__ = ["main"]
 
@@ -86,22 +88,91 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from onecopy.runtime import Runtime
 
     inputs = _load_inputs(args.input)
     options = {"IreeBackend": {"compute_units": args.compute_units}} if args.compute_units else None
     with Runtime().load_program(args.file, backend_options=options) as program:
         method = program.load_method(args.method)
-        outputs = method.execute(inputs)
-    if args.output and len(args.output) != len(outputs):
-        raise InvalidArgument(f"Method '{args.method}' has {len(outputs)} outputs; --output was given {len(args.output)} times.")
+        _check_output_count(args, len(method.method_meta.outputs))
+        # Every --output is made writable before the run: a bad one fails before the time is spent, and no file
+        # is written unless all can be.
+        with _output_files(args.output) as write:
+            outputs = method.execute(inputs)
+            _check_output_count(args, len(outputs))
+            write(outputs)
     for i, out in enumerate(outputs):
-        print(f"output {i}: {out.dtype}{list(out.shape)} min {out.min():.6g} max {out.max():.6g} mean {out.mean():.6g}")
-        if args.output:
-            np.save(args.output[i], out)
+        print(f"output {i}: {_summary(out)}")
     return 0
+
+
+def _check_output_count(args: argparse.Namespace, count: int) -> None:
+    if args.output and len(args.output) != count:
+        raise InvalidArgument(f"Method '{args.method}' has {count} outputs; --output was given {len(args.output)} "
+                              f"times. Give --output once per output, in order, or leave it out.")
+
+
+def _summary(out) -> str:
+    head = f"{out.dtype}{list(out.shape)}"
+    if out.size == 0:  # min and max of nothing have no value
+        return f"{head} (empty)"
+    return f"{head} min {out.min():.6g} max {out.max():.6g} mean {out.mean():.6g}"
+
+
+@contextlib.contextmanager
+def _output_files(paths: list[str]):
+    """Yields write(arrays): each array into a temporary file beside its --output path (made here, up front), then
+    each moved onto exactly that path (no .npy added). Whatever is not moved into place is removed on exit."""
+    import numpy as np
+
+    temps: list[tuple[str, str, str]] = []  # (the path as given, the file it names, its temporary file)
+    targets: dict[str, str] = {}  # resolved path -> the path as given
+    try:
+        for path in paths:
+            target = os.path.realpath(path)  # a symlink: write where it points, as np.save(path) would
+            if target in targets:
+                raise InvalidArgument(f"--output '{path}' names the same file as --output '{targets[target]}'; "
+                                      f"give each output its own file.")
+            targets[target] = path
+            if os.path.isdir(target):
+                raise InvalidArgument(f"--output '{path}' is a directory; name a file in it, e.g. "
+                                      f"{os.path.join(path, 'y.npy')}.")
+            directory = os.path.dirname(target)
+            if not os.path.isdir(directory):
+                raise InvalidArgument(f"--output '{path}': directory '{directory}' does not exist; create it or "
+                                      f"name a file in an existing directory.")
+            try:
+                fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
+            except OSError as e:
+                raise InvalidArgument(f"--output '{path}' cannot be written: directory '{directory}' "
+                                      f"({e.strerror or e}); name a file in a writable directory.") from e
+            os.close(fd)
+            temps.append((path, target, temp))
+
+        def write(arrays) -> None:
+            umask = os.umask(0)
+            os.umask(umask)
+            for (path, _, temp), array in zip(temps, arrays):
+                try:
+                    with open(temp, "wb") as f:  # a file object: np.save given a name would append .npy to it
+                        np.save(f, array, allow_pickle=False)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.chmod(temp, 0o666 & ~umask)  # as a new file would be, not mkstemp's 0600
+                except OSError as e:
+                    raise OnecopyError(f"--output '{path}' could not be written ({e.strerror or e}); no output file "
+                                       f"was changed. Free space in its directory or name another.") from e
+            for path, target, temp in temps:
+                try:
+                    os.replace(temp, target)
+                except OSError as e:
+                    raise OnecopyError(f"--output '{path}' could not be put in place ({e.strerror or e}).") from e
+
+        yield write
+    finally:
+        for _, _, temp in temps:
+            with contextlib.suppress(OSError):  # moved into place already: gone
+                os.unlink(temp)
 
 
 def _load_inputs(paths: list[str]) -> list:
@@ -141,17 +212,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"'{args.model}' returned {type(model).__name__}; it must return a torch.nn.Module.")
     model.eval()
     methods = {}
+    given: dict[str, str] = {}
     for text in args.method:
         name, _, shapes = text.partition("=")
         if not name or not shapes:
             raise InvalidArgument(f"--method '{text}' is not NAME=SHAPE[,SHAPE...] (e.g. forward=1x1024).")
+        if name in given:
+            raise InvalidArgument(f"--method '{name}' is given twice ('{given[name]}' and '{text}'); give each "
+                                  f"method name once (export another shape under another name, e.g. {name}2=...).")
+        given[name] = text
         example = []
         for shape_text in shapes.split(","):
             shape, dtype = _parse_shape(shape_text, f"--method {name}")
             if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
                 raise InvalidArgument(f"--method {name}: unknown dtype '{dtype}'.")
             example.append(torch.zeros(shape, dtype=getattr(torch, dtype)))
-        methods[name] = torch.export.export(model, tuple(example))
+        try:
+            with _quiet_logger("torch._subclasses.fake_tensor", quiet=not args.verbose):
+                methods[name] = torch.export.export(model, tuple(example))
+        except Exception as e:  # anything torch raises here is the model not taking these inputs
+            inputs = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in example)
+            raise ExportError(f"Method '{name}' (--method {text}): torch.export could not trace '{args.model}' "
+                              f"with example inputs ({inputs}): {type(e).__name__}: {str(e).strip()}\nGive --method "
+                              f"the shapes (and number) of inputs the model's forward takes.") from e
     program = export_program(
         methods,
         partitioner=Partitioner(multifunction=args.multifunction, skip_ops=tuple(args.skip_op)),
@@ -161,6 +244,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     path = program.save(args.output)
     print(f"wrote {path} ({_mib(path.stat().st_size)})")
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str, quiet: bool):
+    """Silence one logger for a while: fake_tensor logs a traceback of the error it raises, which we report."""
+    logger = logging.getLogger(name)
+    disabled = logger.disabled
+    logger.disabled = disabled or quiet
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -233,8 +328,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from onecopy.runtime import Runtime
 
-    if args.seconds <= 0:
-        raise InvalidArgument(f"--seconds must be positive, got {args.seconds}")
     inputs = _load_inputs(args.input) or None
     if inputs is not None and len(args.method or ()) != 1:
         raise InvalidArgument("--input is for one method: name it with --method.")
@@ -271,8 +364,15 @@ def _error_against(got, want) -> tuple[float, float]:
 def cmd_cache(args: argparse.Namespace) -> int:
     import datetime
 
-    from onecopy.delegate.cache import open_cache
+    from onecopy.delegate.cache import ENV_CACHE_DIR, default_cache_dir, open_cache
 
+    if args.cache_dir is not None and args.action in ("ls", "verify", "clear") and not os.path.isdir(args.cache_dir):
+        # open_cache would create it: a mistyped path would read as an empty cache
+        default = default_cache_dir()
+        source = f"${ENV_CACHE_DIR}" if os.environ.get(ENV_CACHE_DIR) else "the user cache directory"
+        what = "is not a directory" if os.path.exists(args.cache_dir) else "does not exist"
+        raise InvalidArgument(f"--cache-dir '{args.cache_dir}' {what}; nothing was read or created. Check the path, "
+                              f"or leave --cache-dir out to use the default, '{default}' ({source}).")
     cache = open_cache(args.cache_dir)
     if args.action == "path":
         print(cache.directory)
@@ -338,6 +438,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
+def _count(minimum: int):
+    """An argparse type: a whole number of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onecopy", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log delegate loads (specialized/restored, times)")
@@ -353,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="latency percentiles of a program's methods")
     p.add_argument("file")
     p.add_argument("--method", action="append", help="method to run (default: all); repeatable")
-    p.add_argument("--runs", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--runs", type=_count(1), default=100, help="timed calls per method (at least 1)")
+    p.add_argument("--warmup", type=_count(0), default=10, help="untimed calls before them")
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="compute precision (bf16: CPUs with native bf16); not fp32: also the error against fp32")
@@ -365,14 +489,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="where each method's time goes in the engine, dispatch by dispatch")
     p.add_argument("file")
     p.add_argument("--method", action="append", help="method to profile (default: all); repeatable")
-    p.add_argument("--seconds", type=float, default=2.0, help="how long each method is called back to back")
+    p.add_argument("--seconds", type=_seconds, default=2.0, help="how long each method is called back to back")
     p.add_argument("--input", action="append", default=[],
                    help=".npy file per input, in order, for one --method (default: random inputs of its shapes)")
     p.add_argument("--executor", choices=("auto", "parallel", "inline"),
                    help="run on IREE's task workers or the calling thread (default: what the load picks)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="the compute precision to load it in (bf16: CPUs with native bf16)")
-    p.add_argument("--top", type=int, default=20, help="dispatches listed per method, the slowest first")
+    p.add_argument("--top", type=_count(0), default=20, help="dispatches listed per method, the slowest first")
     p.add_argument("--json", action="store_true", help="print the profiles as JSON")
     p.add_argument("--cache-dir", help="the specialization cache (default: $ONECOPY_CACHE_DIR or the user cache dir)")
     p.set_defaults(func=cmd_profile)
@@ -420,7 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--method", default="forward")
     p.add_argument("--input", action="append", default=[], help=".npy file per input, in order")
-    p.add_argument("--output", action="append", default=[], help=".npy file per output, in order")
+    p.add_argument("--output", action="append", default=[],
+                   help="file per output, in order, in .npy format, written at exactly this path (no .npy added); "
+                        "all are written or none")
     p.add_argument("--compute-units", choices=("cpu", "gpu", "all"))
     p.set_defaults(func=cmd_run)
 
