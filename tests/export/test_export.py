@@ -278,3 +278,15 @@ def test_a_bfloat16_tensor_the_runtime_would_hand_over_is_refused_at_export(mode
     with pytest.raises(ExportError, match=named + r", which the runtime cannot hand over: numpy has no such dtype .*"
                                           r"load it with precision='bf16'"):
         export_program({"forward": ep})
+
+
+class Positives(torch.nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x > 0)
+
+
+def test_a_size_the_data_decides_is_refused_at_export_naming_the_op():
+    ep = torch.export.export(Positives(), (torch.randn(5),))
+    with pytest.raises(ExportError, match=r"Method 'forward': 'nonzero' \(nonzero.default\) has a size that depends "
+                                          r"on the data \(\[u\d+, 1\]\).*torch.where\(mask, x, 0\)"):
+        export_program({"forward": ep})

@@ -145,6 +145,23 @@ def host_can_take(arg: Any) -> bool:
     return not (isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg))
 
 
+def _refuse_data_dependent_sizes(name: str, graph: fx.Graph) -> None:
+    """A tensor whose size its data decides (torch.nonzero, masked_select, unique: torch's unbacked symbols u0)
+    cannot be a function of the engine's, whose shapes its inputs determine, nor be planned at export."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
+            target = getattr(node.target, "__name__", str(node.target))
+            raise ExportError(
+                f"Method '{name}': '{node.name}' ({target}) has a size that depends on the data "
+                f"({list(val.shape)}), which onecopy cannot export: every size must follow from the inputs' shapes. "
+                "Compute it outside the method, or keep the size fixed (e.g. torch.where(mask, x, 0) instead of "
+                "x[mask] or torch.nonzero)."
+            )
+
+
 def plan_method(
     name: str, ep: ExportedProgram, partitioner: Partitioner, table: ParameterTable, delegates: list[DelegatePartition],
     memory_planned_outputs: bool, states: ProgramStates, on_host: frozenset[str] = frozenset(),
@@ -154,6 +171,7 @@ def plan_method(
     signature = ep.graph_signature
     uses = states.of_method(name)  # buffer fqn -> state name
     graph = ep.graph_module.graph
+    _refuse_data_dependent_sizes(name, graph)
     plan = MethodPlan(name, table, symbol_ranges(ep), symbol_names(ep), memory_planned_outputs)
     inputs: list[int] = []
     input_specs: list[TensorSpec] = []
