@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from onecopy import ExecutionError, Runtime
+from onecopy import ExecutionError, InvalidArgument, Runtime
 from onecopy.export import Partitioner
 from onecopy.models import tiny_llama
 
@@ -90,6 +90,20 @@ def test_sampling_is_reproducible_with_a_seed(llama_path):
     a = list(generate(llama_path, [1, 2, 3], 8, temperature=0.8, top_k=10, seed=3))
     b = list(generate(llama_path, [1, 2, 3], 8, temperature=0.8, top_k=10, seed=3))
     assert a == b and all(0 <= t < 128 for t in a)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"temperature": 0.8, "top_k": 0}, r"top_k must be a whole number >= 1 .* got 0"),
+    ({"temperature": 0.8, "top_k": -1}, r"top_k must be a whole number >= 1 .* got -1"),
+    ({"temperature": 0.8, "top_k": 2.5}, r"top_k must be a whole number >= 1 .* got 2.5"),
+    ({"temperature": float("nan")}, r"temperature must be > 0 to sample \(0 or None: greedy\), got nan"),
+    ({"temperature": -1.0}, r"temperature must be > 0 to sample"),
+])
+def test_sampling_settings_that_mean_nothing_are_refused(llama_path, options, message):
+    from onecopy.llm import generate
+
+    with pytest.raises(InvalidArgument, match=message):
+        next(generate(llama_path, [1, 2, 3], 4, **options))
 
 
 def test_a_decode_step_copies_no_cache_sized_buffer(llama_path):

@@ -197,8 +197,11 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
 
     if max_new_tokens < 0:
         raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if temperature is not None and temperature < 0:
-        raise InvalidArgument(f"temperature must be > 0 (or None for greedy), got {temperature}.")
+    if temperature is not None and not temperature >= 0:  # NaN too
+        raise InvalidArgument(f"temperature must be > 0 to sample (0 or None: greedy), got {temperature}.")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise InvalidArgument(f"top_k must be a whole number >= 1 (the most likely tokens sampled from; None: all "
+                              f"of them), got {top_k!r}.")
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
         raise InvalidArgument("prompt_ids is empty; give at least one token.")
