@@ -274,8 +274,11 @@ def test_run_summarizes_and_writes_an_output_of_no_elements(pair_program_path, t
     (["profile", "--seconds", "nan"], "argument --seconds: must be positive, got nan"),
     (["profile", "--seconds", "-1"], "argument --seconds: must be positive, got -1"),
     (["profile", "--top", "-1"], "argument --top: must be at least 0, got -1"),
+    (["serve", "--replicas", "0"], "argument --replicas: must be at least 1, got 0"),
+    (["serve", "--port", "70000"], "argument --port: must be a TCP port, 0 to 65535, got 70000"),
+    (["serve", "--max-batch-size", "0"], "argument --max-batch-size: must be at least 1, got 0"),
 ])
-def test_bench_and_profile_counts_are_checked_before_anything_runs(small_program_path, argv, message, capsys):
+def test_counts_are_checked_before_anything_runs(small_program_path, argv, message, capsys):
     with pytest.raises(SystemExit) as exit:
         main([argv[0], str(small_program_path), *argv[1:]])
     assert exit.value.code == 2

@@ -451,6 +451,14 @@ def _count(minimum: int):
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port to listen on (0: any free one)."""
+    value = _count(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 to 65535, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a finite number of seconds above 0."""
     try:
@@ -560,11 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve a program over HTTP from Ray Serve replicas (needs onecopy[serve])")
     p.add_argument("file")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--replicas", type=_count(1), default=1)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--max-batch-size", type=int, help="batch concurrent requests to methods with a dynamic first dim")
-    p.add_argument("--max-request-bytes", type=int, default=64 * 2**20)
+    p.add_argument("--max-batch-size", type=_count(1),
+                   help="batch concurrent requests to methods with a dynamic first dim")
+    p.add_argument("--max-request-bytes", type=_count(1), default=64 * 2**20)
     p.set_defaults(func=cmd_serve)
     return parser
 
