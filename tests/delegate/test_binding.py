@@ -451,7 +451,9 @@ def test_one_surface_as_input_and_output_is_written_after_the_engine_read_it(sur
             want = eager(Flip(), frame(src).copy())[0]
             call = forward.prepare([frame(src)], outputs=[frame(src)]).run if prepared else (
                 lambda: forward.execute([frame(src)], outputs=[frame(src)]))
+            generation = src.generation
             (y,) = call()
+            assert src.generation == generation + 1  # written under its write lock, copy included
             assert pointer(y) == pointer(frame(src))
             np.testing.assert_array_equal(frame(src), want)
             stats = forward.last_copy_stats

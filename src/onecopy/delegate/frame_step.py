@@ -36,11 +36,14 @@ ACCELERATED: bool = FrameRun is not None and not os.environ.get("ONECOPY_PYTHON_
 
 def engine_step(pool: list[Any], new_context: Callable[[], Any], vm_function: Any, arguments: Any, results: Any,
                 cores: tuple[Any, ...], modes: tuple[bool, ...], wait_locks: Callable[[int], int],
-                wake: Callable[[int], None], engine_error: Callable[[Exception], Exception]) -> None:
+                wake: Callable[[int], None], engine_error: Callable[[Exception], Exception],
+                after: Callable[[], None] | None = None) -> None:
     """The engine call of a step: a VM context checked out of `pool` (or made), the locks `cores` taken in their
     order (`modes`: True reads; `wait_locks(taken)` takes the rest when one would wait and returns how many are
     held), `vm_function` invoked, then context and locks given back whatever happened (`wake(taken)` when a
-    thread waits for one). An engine failure (RuntimeError) or refusal (ValueError) raises `engine_error(e)`.
+    thread waits for one); `after()`, when given, runs after the call with the locks still held (copies into
+    surfaces of outputs staged in engine buffers). An engine failure (RuntimeError) or refusal (ValueError) raises
+    `engine_error(e)`.
     The pool's pop and append need no lock: they are atomic under the GIL."""
     context = pool.pop() if pool else new_context()
     taken = 0
@@ -54,6 +57,8 @@ def engine_step(pool: list[Any], new_context: Callable[[], Any], vm_function: An
             context.invoke(vm_function, arguments, results)
         except (RuntimeError, ValueError) as e:
             raise engine_error(e) from e
+        if after is not None:
+            after()
     finally:
         pool.append(context)
         if taken and give_all(cores, modes, taken):

@@ -167,6 +167,8 @@ class Invocation(Plan):
                     view = function.allocate(out.shape, out.dtype)  # type: ignore[union-attr]
                     self._slots.append(view)
                     self._staged.append((i, view))
+                    if binding is not None:  # copied into the surface under its write lock, before it is given back
+                        locks[binding.surface.name] = (binding.surface, False)
         else:
             self._open_checks.extend((b, f"output {i}") for i, b in enumerate(out_bindings) if b is not None)
         # Taken in name order, so two processes locking the same surfaces never wait on each other in a cycle;
@@ -252,12 +254,17 @@ class Invocation(Plan):
         results = self._rt.VmVariantList(self._result_count)
         stats.add(self._constant)  # what the plan copies in and uses in place; copies out are added below
         model = function.model
-        engine_step(model._pool, model._new_context, self._vm_function, args, results, self._lock_cores,
-                    self._lock_modes, self._take_rest, self._wake, function.engine_error)
         outputs = self._outputs
-        if self._in_place:
-            for i, view in self._staged:
+        staged = self._staged
+
+        def copy_staged() -> None:  # run while the surfaces' locks are held: a reader elsewhere sees it whole
+            for i, view in staged:
                 function.copy_out(view, outputs[i], stats)
+
+        engine_step(model._pool, model._new_context, self._vm_function, args, results, self._lock_cores,
+                    self._lock_modes, self._take_rest, self._wake, function.engine_error,
+                    copy_staged if staged else None)
+        if self._in_place:
             return list(outputs)  # type: ignore[arg-type]
         rt = self._rt
         return [function.copy_out(results.get_as_object(i, rt.HalBufferView), out, stats)
