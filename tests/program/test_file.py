@@ -5,7 +5,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from onecopy.errors import InvalidArgument, ProgramFormatError
+from onecopy.errors import InvalidArgument, OnecopyError, ProgramFormatError
 from onecopy.program import (
     FORMAT_VERSION,
     MAGIC,
@@ -177,7 +177,8 @@ def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ProgramFile, "write_to", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OnecopyError, match=r"Could not save the program to '.*p.onecopy' \(disk full\); nothing "
+                                           r"was written there \(a file already at that path is unchanged\)"):
         program.save(target)
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["p.onecopy"]
@@ -188,6 +189,9 @@ def test_save_refuses_a_directory_or_missing_parent(tmp_path):
         tiny_program().save(tmp_path)
     with pytest.raises(InvalidArgument, match="does not exist"):
         tiny_program().save(tmp_path / "missing" / "p.onecopy")
+    with pytest.raises(InvalidArgument, match=r"Cannot save the program to '/proc/p.onecopy': no file can be made "
+                                              r"in directory '/proc' \(.*\); give a path in a writable directory"):
+        tiny_program().save("/proc/p.onecopy")  # a directory nothing can be created in, even as root
 
 
 def test_verify_detects_corrupted_named_data():

@@ -21,7 +21,7 @@ from typing import BinaryIO, Union
 
 import msgspec
 
-from onecopy.errors import InvalidArgument, ProgramFormatError
+from onecopy.errors import InvalidArgument, OnecopyError, ProgramFormatError
 from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
 from onecopy.program.schema import ProgramDef, SegmentDef
 from onecopy.program.validate import Problem, hash_problems, structure_problems
@@ -95,13 +95,21 @@ def write_atomically(path: Union[str, os.PathLike[str]], write: Callable[[Binary
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise InvalidArgument(f"Cannot save {what} to '{target}': directory '{directory}' does not exist.")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise InvalidArgument(f"Cannot save {what} to '{target}': no file can be made in directory '{directory}' "
+                              f"({e.strerror or e}); give a path in a writable directory.") from e
     try:
         with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OnecopyError(f"Could not save {what} to '{target}' ({e.strerror or e}); nothing was written there "
+                           "(a file already at that path is unchanged). Free space or give another path.") from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
