@@ -319,3 +319,16 @@ def test_export_reports_a_model_that_does_not_take_the_shapes_given(model, metho
     assert err.endswith("Give --method the shapes (and number) of inputs the model's forward takes.\n")
     assert "Traceback" not in err
     assert not (tmp_path / "x.onecopy").exists()
+
+
+def broken_factory():
+    raise ValueError("no checkpoint at /models/x")
+
+
+def test_export_reports_a_model_factory_that_fails_with_its_message(tmp_path, capsys):
+    assert main(["export", "tests.test_cli:broken_factory", "--method", "forward=1x64",
+                 "-o", str(tmp_path / "x.onecopy")]) == 2
+    assert capsys.readouterr().err == (
+        "onecopy export: error: 'tests.test_cli:broken_factory' raised ValueError building the model: no checkpoint "
+        "at /models/x (run with -v for its traceback)\n")
+    assert not (tmp_path / "x.onecopy").exists()

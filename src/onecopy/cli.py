@@ -17,6 +17,8 @@ from onecopy.errors import ExportError, InvalidArgument, OnecopyError
 
 __all__ = ["main"]
 
+log = logging.getLogger("onecopy")
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
@@ -207,7 +209,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from onecopy.export import CompileSpec, Partitioner, export_program
 
-    model = _load_factory(args.model)()
+    factory = _load_factory(args.model)
+    try:
+        model = factory()
+    except Exception as e:  # the user's code: its own message, and where to see the traceback
+        if args.verbose:
+            log.exception("'%s' failed", args.model)
+        raise InvalidArgument(f"'{args.model}' raised {type(e).__name__} building the model: {e}"
+                              + ("" if args.verbose else " (run with -v for its traceback)")) from e
     if not isinstance(model, torch.nn.Module):
         raise InvalidArgument(f"'{args.model}' returned {type(model).__name__}; it must return a torch.nn.Module.")
     model.eval()
