@@ -212,6 +212,11 @@ class _Halve(torch.nn.Module):
         return torch.ops.onecopy_hk_test.halve(x)
 
 
+class _HalveThenScale(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.onecopy_hk_test.halve(x) * 3
+
+
 def test_a_host_kernel_result_of_another_dtype_is_refused_unless_a_safe_cast(halve_op):
     from onecopy.errors import ExecutionError
 
@@ -219,7 +224,12 @@ def test_a_host_kernel_result_of_another_dtype_is_refused_unless_a_safe_cast(hal
     register_host_kernel(halve_op, lambda x: x / np.float64(2), replace=True)
     _, method = _load(_Halve(), (torch.zeros(3),))
     with pytest.raises(ExecutionError, match=r"host kernel 'onecopy_hk_test.halve.default' returned float64 for "
-                                             r"output 0 of the method, which torch.export recorded as float32"):
+                                             r"its result 0, which torch.export recorded as float32"):
+        method.execute([np.ones(3, np.float32)])
+    # the same feeding an engine partition: refused here, naming the kernel, not by the engine
+    _, method = _load(_HalveThenScale(), (torch.zeros(3),))
+    with pytest.raises(ExecutionError, match=r"host kernel 'onecopy_hk_test.halve.default' returned float64 for "
+                                             r"its result 0, which torch.export recorded as float32"):
         method.execute([np.ones(3, np.float32)])
     # an int32 for an int64 output: cast, as it loses nothing
     register_host_kernel(halve_op, lambda x: (x // 2).astype(np.int32), replace=True)

@@ -20,7 +20,7 @@ from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
 from onecopy.export.state import ProgramStates, StateBinding, guard_index_writes
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
-from onecopy.export.symbols import symbol_names, symbol_ranges, tensor_spec
+from onecopy.export.symbols import spec_dtype, symbol_names, symbol_ranges, tensor_spec
 from onecopy.program import ConstantDef, ConstArg, DelegateCall, HostOp, Instruction, MethodDef, TensorSpec, ValueArg
 
 __all__ = ["DelegatePartition", "MethodPlan", "host_can_take", "plan_method"]
@@ -259,7 +259,11 @@ def _plan_host_op(plan: MethodPlan, node: fx.Node) -> None:
     else:
         outputs = [plan.new_id()]
         plan.ids[node] = outputs[0]
-    plan.instructions.append(HostOp(op=op_name(node), args=args, kwargs=kwargs, outputs=outputs))
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    dtypes = ([spec_dtype(v.dtype, f"Method '{plan.name}': host op '{node.name}' result") for v in vals]
+              if all(isinstance(v, torch.Tensor) for v in vals) else [])
+    plan.instructions.append(HostOp(op=op_name(node), args=args, kwargs=kwargs, outputs=outputs,
+                                    output_dtypes=dtypes))
 
 
 def _plan_delegate_partition(

@@ -74,6 +74,9 @@ class HostOp(_Strict, tag="host_op"):
     args: list[Arg]
     outputs: list[int]
     kwargs: dict[str, Arg] = {}
+    # Per output, the dtype torch.export recorded for it (what the kernel must return); empty in files written
+    # before it was recorded.
+    output_dtypes: list[str] = []
 
 
 Instruction = Union[DelegateCall, HostOp]

@@ -182,6 +182,13 @@ def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
             where = f"{at}, instruction {position} (host_op {ins.op})"
             if not ins.op:
                 yield Problem(f"{where}, field op", "the op name is empty")
+            if ins.output_dtypes and len(ins.output_dtypes) != len(ins.outputs):
+                yield Problem(f"{where}, field output_dtypes", f"{len(ins.output_dtypes)} dtypes for "
+                                                               f"{len(ins.outputs)} outputs")
+            for k, dtype in enumerate(ins.output_dtypes):
+                if dtype not in DTYPES:
+                    yield Problem(f"{where}, field output_dtypes[{k}]",
+                                  f"'{dtype[:40]}' is not a dtype onecopy runs ({', '.join(sorted(DTYPES))})")
             reads = []
             for field, args in (("args", list(enumerate(ins.args))), ("kwargs", list(ins.kwargs.items()))):
                 for key, arg in args:

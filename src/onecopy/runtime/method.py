@@ -379,20 +379,25 @@ class Method:
                 raise ExecutionError(f"Method '{self.name}': host kernel '{ins.op}' returned {len(arrays)} arrays; "
                                      f"the op has {len(ins.outputs)} outputs.")
         definition = self._definition
-        for vid, array in zip(ins.outputs, arrays):
-            # A method output has the dtype torch.export recorded (output_specs, method_meta): a kernel's result
-            # in another dtype is cast to it where that is safe (an int32 for an int64, say), else refused rather
-            # than rounded or truncated silently. (The built-in kernels return torch's dtype already.)
-            if vid in definition.outputs:
+        for k, (vid, array) in enumerate(zip(ins.outputs, arrays)):
+            # The dtype torch.export recorded for the result (the op's own record; in files written before it was
+            # kept, a method output's spec): a kernel's result in another dtype is cast to it where that is safe
+            # (an int32 for an int64, say), else refused here, naming the kernel, rather than rounded silently or
+            # refused by the engine partition that reads it. (The built-in kernels return torch's dtype already.)
+            if ins.output_dtypes:
+                want, role = np.dtype(ins.output_dtypes[k]), f"its result {k}"
+            elif vid in definition.outputs:
                 index = definition.outputs.index(vid)
-                want = np.dtype(definition.output_specs[index].dtype)
-                if array.dtype != want:
-                    if not np.can_cast(array.dtype, want, "safe"):
-                        raise ExecutionError(
-                            f"Method '{self.name}': host kernel '{ins.op}' returned {array.dtype} for output "
-                            f"{index} of the method, which torch.export recorded as {want}; a host kernel must "
-                            "return the dtype torch computes for the op.")
-                    array = array.astype(want)
+                want, role = np.dtype(definition.output_specs[index].dtype), f"output {index} of the method"
+            else:
+                want = None
+            if want is not None and array.dtype != want:
+                if not np.can_cast(array.dtype, want, "safe"):
+                    raise ExecutionError(
+                        f"Method '{self.name}': host kernel '{ins.op}' returned {array.dtype} for {role}, which "
+                        f"torch.export recorded as {want}; a host kernel must return the dtype torch computes "
+                        "for the op.")
+                array = array.astype(want)
             values[vid] = array
 
 
