@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from onecopy.delegate.cpus import worker_count
 from onecopy.delegate.engine import task_executor_flags
@@ -117,3 +118,51 @@ def test_a_result_kept_by_the_caller_is_never_overwritten_by_later_calls(small_p
             kept = [forward.execute([x])[0] for x in xs]  # each call's buffers go back to the pool after it
             for x, y in zip(xs, kept):
                 np.testing.assert_allclose(y, eager(small_model, x)[0], rtol=1e-4, atol=1e-5)
+
+
+class _Unsigned(torch.nn.Module):
+    """uint8 and bool results: IREE's integer buffers carry no sign (both come back as i8 buffers)."""
+
+    def forward(self, x):
+        return (x * 50).to(torch.uint8), x > 2
+
+
+class _UnsignedThenHost(torch.nn.Module):
+    """A uint8 engine result read by a host op (relu, skipped to the host) that keeps its dtype."""
+
+    def forward(self, x):
+        return torch.relu((x * 50).to(torch.uint8))
+
+
+@pytest.mark.parametrize("packaging", ["mlir", "vmfb"])
+@pytest.mark.parametrize("planned", [True, False])
+def test_unsigned_and_bool_results_come_back_as_torch_gives_them(packaging, planned):
+    from onecopy import Runtime
+    from onecopy.export import CompileSpec, Partitioner, export_program
+
+    x = np.array([0.0, 1.0, 4.0, 5.0], np.float32)  # 200 and 250: negative if read as int8
+    model = _Unsigned()
+    ep = torch.export.export(model, (torch.from_numpy(x),))
+    program = export_program({"forward": ep}, compile_spec=CompileSpec(packaging=packaging),
+                             memory_planned_outputs=planned)
+    want = [t.numpy() for t in model(torch.from_numpy(x))]
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        forward = loaded.load_method("forward")
+        if planned:
+            for _ in range(2):  # the checked call, then the kept one
+                got = forward.execute([x])
+                assert [g.dtype for g in got] == [np.uint8, np.bool_]
+                for g, w in zip(got, want):
+                    np.testing.assert_array_equal(g, w)
+        storage = [np.zeros(4, np.uint8), np.zeros(4, np.bool_)]
+        for _ in range(2):
+            forward.execute([x], outputs=storage)
+            for g, w in zip(storage, want):
+                np.testing.assert_array_equal(g, w)
+    ep = torch.export.export(_UnsignedThenHost(), (torch.from_numpy(x),))
+    program = export_program({"forward": ep}, partitioner=Partitioner(skip_ops=("aten.relu.default",)),
+                             compile_spec=CompileSpec(packaging=packaging))
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        (got,) = loaded.load_method("forward").execute([x])
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got, _UnsignedThenHost()(torch.from_numpy(x)).numpy())

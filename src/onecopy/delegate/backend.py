@@ -312,7 +312,8 @@ class IreeBackend(Backend):
             state = model.load_state
             release = model.close
         try:
-            function = model.function(parsed.function, outputs_in_place=parsed.outputs_in_place)
+            function = model.function(parsed.function, outputs_in_place=parsed.outputs_in_place,
+                                      result_dtypes=parsed.output_dtypes)
         except BaseException:
             release()
             raise

@@ -254,14 +254,15 @@ class LoadedModel:
     def checkin(self, context: Any) -> None:
         self._pool.append(context)
 
-    def function(self, name: str, *, outputs_in_place: bool = False) -> "EngineFunction":
+    def function(self, name: str, *, outputs_in_place: bool = False,
+                 result_dtypes: Sequence[str] = ()) -> "EngineFunction":
         vm_function = self.module.lookup_function(name)
         if vm_function is None:
             raise DelegateError(
                 f"{self.where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
                 "Re-export the program."
             )
-        return EngineFunction(self, vm_function, name, outputs_in_place)
+        return EngineFunction(self, vm_function, name, outputs_in_place, result_dtypes)
 
     def on(self, driver: str) -> "LoadedModel":
         """The same code, weights and packed weights on another executor's device (`driver`): a second module
@@ -317,6 +318,14 @@ def dense(array: np.ndarray) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
+def as_recorded(host: np.ndarray, recorded: np.dtype | None) -> np.ndarray:
+    """`host` (an engine buffer's view) as the dtype torch.export recorded for it, where the two differ by sign
+    alone (same size, integer or bool): the same bytes, read as the program's type. Anything else is left as is."""
+    if recorded is None or host.dtype == recorded or host.dtype.itemsize != recorded.itemsize:
+        return host
+    return host.view(recorded) if host.dtype.kind in "iub" else host
+
+
 _element_types: dict[np.dtype, Any] = {}  # numpy dtype -> HAL element type, looked up once
 _dtypes: dict[Any, np.dtype] = {}  # HAL element type -> numpy dtype, looked up once
 
@@ -331,7 +340,8 @@ class EngineFunction:
     run); this class holds what they need: the function, its model, its bindings, and the copies in and out.
     """
 
-    def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False):
+    def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False,
+                 result_dtypes: Sequence[str] = ()):
         import iree.runtime as ireert
 
         self.rt = ireert
@@ -339,6 +349,11 @@ class EngineFunction:
         self.name = name
         self._vm_function = vm_function
         self.outputs_in_place = outputs_in_place
+        # Per result, the dtype to read an engine buffer as where it differs from the engine's by its sign alone
+        # (IREE's integer types are signless: a uint8 or bool result is an i8 buffer, read as int8 otherwise,
+        # 200 as -56); None where the engine's own dtype is the one.
+        self.signed_as: tuple[np.dtype | None, ...] = tuple(
+            np.dtype(d) if np.dtype(d).kind in "ub" else None for d in result_dtypes)
         self._memory_type = ireert.MemoryType.DEVICE_LOCAL
         self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
         # base address -> binding; replaced (never mutated) so concurrent calls read a consistent table.
@@ -378,6 +393,7 @@ class EngineFunction:
         take, give_back = pool.pop, pool.append
         variant_list, view_type = rt.VmVariantList, rt.HalBufferView
         dtypes, dtype_of = _dtypes, self._dtype
+        signed_as = self.signed_as if any(d is not None for d in self.signed_as) else ()
         indices = range(outputs)
         count, result_count = len(inputs), max(outputs, 1)
         copyto, array_copy, gather = np.copyto, np.array, np.ascontiguousarray
@@ -429,6 +445,8 @@ class EngineFunction:
                 if dtype is None:
                     dtype = dtype_of(view.element_type)
                 host = view.map().asarray(tuple(view.shape), dtype)
+                if signed_as:
+                    host = as_recorded(host, signed_as[i] if i < len(signed_as) else None)
                 copied_out += host.nbytes
                 if outs is None:
                     produced.append(array_copy(host, copy=True))
@@ -494,11 +512,15 @@ class EngineFunction:
                     "--task_worker_local_memory=<bytes> before the first load in this process.")
         return ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}")
 
-    def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats) -> np.ndarray:
+    def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats, index: int | None = None) -> np.ndarray:
+        """Result `index`'s engine buffer `view` into `out` (through its strides) or a new array; `index` names the
+        result whose recorded dtype it is read as (`signed_as`)."""
         dtype = _dtypes.get(view.element_type)
         if dtype is None:
             dtype = self._dtype(view.element_type)
         host = view.map().asarray(tuple(view.shape), dtype)
+        if index is not None and index < len(self.signed_as):
+            host = as_recorded(host, self.signed_as[index])
         stats.copied_out += host.nbytes
         if out is not None:
             if out.shape != host.shape:  # copyto would broadcast a smaller result over the storage

@@ -81,7 +81,7 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
         if pooled:
             model.checkin(context)
     view_type, copy_out = rt.HalBufferView, function.copy_out
-    return [copy_out(results.get_as_object(i, view_type), out, stats) for i, out in enumerate(outputs)]
+    return [copy_out(results.get_as_object(i, view_type), out, stats, i) for i, out in enumerate(outputs)]
 
 
 def _byte_range(array: np.ndarray) -> tuple[int, int]:
@@ -259,7 +259,7 @@ class Invocation(Plan):
 
         def copy_staged() -> None:  # run while the surfaces' locks are held: a reader elsewhere sees it whole
             for i, view in staged:
-                function.copy_out(view, outputs[i], stats)
+                function.copy_out(view, outputs[i], stats, i)
 
         engine_step(model._pool, model._new_context, self._vm_function, args, results, self._lock_cores,
                     self._lock_modes, self._take_rest, self._wake, function.engine_error,
@@ -267,7 +267,7 @@ class Invocation(Plan):
         if self._in_place:
             return list(outputs)  # type: ignore[arg-type]
         rt = self._rt
-        return [function.copy_out(results.get_as_object(i, rt.HalBufferView), out, stats)
+        return [function.copy_out(results.get_as_object(i, rt.HalBufferView), out, stats, i)
                 for i, out in enumerate(outputs)]
 
     __call__ = run  # an Invocation is the callable `prepare` returns; no extra frame per run

@@ -79,6 +79,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     input_names: list[str]
     output_names: list[str]
     compute_units: str
+    # Per result, its numpy dtype as torch.export recorded it: IREE's integer buffers carry no sign (a uint8 result
+    # comes back as i8), so the runtime reads them as these. Empty in programs written before it was recorded.
+    output_dtypes: list[str] = []
     parameters: dict[str, str] = {}
     multifunction: bool = False
     # `function` is destination-passing: it takes its outputs' storage as trailing arguments and writes them in

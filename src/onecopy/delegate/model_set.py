@@ -14,7 +14,7 @@ updates it must run in them (onecopy.delegate.state).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,8 +44,9 @@ class ModelSet:
                 model = self._models[driver] = self.first.on(driver)
             return model
 
-    def function(self, name: str, *, outputs_in_place: bool = False) -> EngineFunction:
-        return self.model_for(name).function(name, outputs_in_place=outputs_in_place)
+    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes: Sequence[str] = ()
+                 ) -> EngineFunction:
+        return self.model_for(name).function(name, outputs_in_place=outputs_in_place, result_dtypes=result_dtypes)
 
     @property
     def models(self) -> list[LoadedModel]:

@@ -72,6 +72,7 @@ def assemble(
                 function=function,
                 input_names=p.input_names,
                 output_names=p.output_names,
+                output_dtypes=p.output_dtypes,
                 compute_units=compile_spec.compute_units,
                 parameters=bound,
                 multifunction=multifunction,

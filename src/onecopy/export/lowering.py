@@ -89,14 +89,15 @@ def _stage(fxb, function: StagedFunction) -> None:
         for index, name in updates:
             getattr(module, name).copy_(results[index])  # stored in place: the update runs on the global
         kept = tuple(results[i] for i in returned) if returned is not None else tuple(results)
-        # An engine function cannot return nothing.
-        return kept if kept else args[0].new_zeros(()) if args else torch.zeros(())
+        # An engine function cannot return nothing. A float32 0-d placeholder whatever the arguments' dtypes: IREE's
+        # torch import refuses a uint8 (or bool) literal returned as such (si8 inferred against ui8).
+        return kept if kept else torch.zeros(())
 
     def call_in_place(module, *args):
         results = graph_module(*(getattr(module, name) for name in names), *args[:n_inputs])
         for out, result in zip(args[n_inputs:], results):
             out.copy_(result)
-        return args[n_inputs].new_zeros(())
+        return torch.zeros(())  # the placeholder result: float32, as above
 
     if function.outputs_in_place:
         args = function.example_args + tuple(torch.zeros_like(r) for r in function.example_results)

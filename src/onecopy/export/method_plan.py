@@ -45,6 +45,7 @@ class DelegatePartition:
     outputs_in_place: bool
     input_names: list[str]
     output_names: list[str]
+    output_dtypes: list[str]  # per returned result, the dtype torch.export recorded (the engine's lacks a sign)
     # what the compile check needs to try the partition's ops alone
     nodes: list[fx.Node] = field(default_factory=list)
     weights: dict[fx.Node, str] = field(default_factory=dict)
@@ -319,6 +320,7 @@ def _plan_delegate_partition(
         ),
         input_names=[a.name for a in activations],
         output_names=[r.name for r in returned_nodes],
+        output_dtypes=[spec_dtype(r.meta["val"].dtype, f"Method '{plan.name}': '{r.name}'") for r in returned_nodes],
         nodes=list(partition.nodes),
         weights=plan.weights,
         ranges=plan.ranges,
