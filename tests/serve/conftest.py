@@ -1,4 +1,5 @@
-"""A tiny two-method program for the serve tests: `forward` takes any batch (a torch.export.Dim), `single` one row."""
+"""Programs for the serve tests: a tiny two-method one (`forward` takes any batch, a torch.export.Dim, `single`
+one row), and one whose `center` has the same batchable shapes but rows that depend on each other."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def tiny_program_path(tiny_model, tmp_path_factory):
     program = export_program(methods, partitioner=Partitioner(multifunction=True),
                              compile_spec=CompileSpec(packaging="mlir"))
     return program.save(tmp_path_factory.mktemp("serve") / "tiny.onecopy")
+
+
+class Center(torch.nn.Module):
+    """Each row minus the batch's mean row: joined requests would each get the others' rows in their answer."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0 + 1.0
+
+
+@pytest.fixture(scope="session")
+def mixing_program_path(tmp_path_factory):
+    """`center` (rows mix) and `scale` (rows alone), both with a dynamic first dimension."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    methods = {
+        "center": torch.export.export(Center(), (torch.zeros(4, 3),), dynamic_shapes=({0: batch},)),
+        "scale": torch.export.export(Scale(), (torch.zeros(4, 3),), dynamic_shapes=({0: batch},)),
+    }
+    program = export_program(methods, compile_spec=CompileSpec(packaging="mlir"))
+    return program.save(tmp_path_factory.mktemp("serve") / "mixing.onecopy")

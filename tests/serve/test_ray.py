@@ -136,12 +136,49 @@ def test_concurrent_requests_are_batched_and_each_gets_its_unbatched_result(hand
     ("/forward", b"PK\x03\x04junk", "application/x-npz", 400, "POST /forward: the body is not a readable npz"),
     ("/forward", b"x", "text/csv", 400, "content type 'text/csv' is not served"),
     ("/forward", npz(np.zeros((1100, 16), np.float32)), "application/x-npz", 413, f"over this deployment's limit of {LIMIT}"),
+    ("/forward", json.dumps({"inputs": [[[1e39] + [0.0] * 15]]}).encode(), "application/json", 400,
+     "POST /forward: input 0 holds 1e+39 at [0, 0], outside float32's range [-3.4028235e+38, 3.4028235e+38]"),
 ])
 def test_bad_requests_get_a_4xx_with_the_onecopy_sentence(handle, base_url, path, body, ctype, status, message):
     got, got_type, answer = http(base_url + path, body, ctype)
     assert (got, got_type) == (status, "application/json"), answer
     error = json.loads(answer)["error"]
     assert message in error and "Traceback" not in error
+
+
+def test_json_answers_write_nan_and_infinities_as_strings(handle, base_url, local):
+    x = np.zeros((2, 16), np.float32)
+    x[0, 0] = np.nan
+    expected = local["forward"].execute([x])[0]
+    assert np.isnan(expected[0]).all() and np.isfinite(expected[1]).all()
+    rows = [["NaN"] + [0.0] * 15, [0.0] * 16]
+    status, _, body = http(f"{base_url}/forward", json.dumps({"inputs": [rows]}).encode())
+    assert status == 200, body
+    (got,) = json.loads(body)["outputs"]
+    assert got[0] == ["NaN"] * 8
+    np.testing.assert_allclose(np.array(got[1], np.float32), expected[1], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mixing(base_url, mixing_program_path):
+    """`center` (rows mix) and `scale` with max_batch_size, on one replica, under /mix."""
+    app = deployment(mixing_program_path, replicas=1, max_batch_size=8, batch_wait_timeout_s=0.05,
+                     ray_actor_options={"num_cpus": 0.5}, name="mix")
+    return serve.run(app, name="mix", route_prefix="/mix")
+
+
+def test_a_method_whose_rows_mix_is_not_batched_and_each_request_gets_its_own_answer(mixing, base_url, rng):
+    status, _, body = http(f"{base_url}/mix/")
+    methods = json.loads(body)["methods"]
+    assert status == 200 and methods["scale"]["batched"] is True
+    assert methods["center"]["batched"] is False
+    assert "rows depend on each other" in methods["center"]["not_batched_because"]
+    xs = [rng.standard_normal((1 + i % 3, 3), dtype=np.float32) for i in range(12)]
+    responses = [mixing.remote("center", [x]) for x in xs]  # all in flight at once
+    for x, response in zip(xs, responses):
+        np.testing.assert_allclose(response.result()[0], x - x.mean(0, keepdims=True), rtol=1e-5, atol=1e-6)
+    counts = mixing.describe.remote().result()["methods"]["center"]
+    assert counts["requests"] == counts["calls"] == 12
 
 
 def test_the_handle_raises_the_onecopy_error(handle, rng):

@@ -10,7 +10,7 @@ import pytest
 
 from onecopy.errors import ExecutionError, InvalidArgument, RequestError, RequestTooLarge, SessionNotFound
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
-from onecopy.serve.batching import batch_refusal, group_requests, split_outputs
+from onecopy.serve.batching import batch_refusal, group_requests, joined_call_differs, split_outputs
 from onecopy.serve.codec import JSON, NPZ, check_declared_length, decode_inputs, encode_outputs, request_format
 from onecopy.serve.server import MethodNotFound, ProgramServer, error_body, http_status, plan
 from onecopy.serve.sessions import SessionStore
@@ -44,6 +44,64 @@ def test_json_inputs_take_the_method_dtype_and_refuse_fractions_for_integers():
     ints = (TensorMeta(("b",), np.dtype(np.int64), True),)
     with pytest.raises(RequestError, match=r"POST /m: input 0 holds fractional numbers; the method takes int64"):
         decode_inputs(b'{"inputs": [[1.5]]}', JSON, ints, "POST /m", limit=1 << 20)
+
+
+def ints(dtype, shape=("b",)):
+    return (TensorMeta(shape, np.dtype(dtype), True),)
+
+
+@pytest.mark.parametrize("dtype, body, message", [
+    (np.uint8, b'[300, -1]', r"holds 300 at \[0\], outside uint8's range \[0, 255\]"),
+    (np.uint8, b'[1, -1]', r"holds -1 at \[1\], outside uint8's range \[0, 255\]"),
+    (np.int32, b'[[1, 2], [2147483648, 0]]',
+     r"holds 2147483648 at \[1, 0\], outside int32's range \[-2147483648, 2147483647\]"),
+    (np.int32, b'[-2147483649]', r"holds -2147483649 at \[0\], outside int32's range"),
+    # 2**63 alone (numpy: uint64), beside an int64 (numpy: float64, which read as "fractional" before), below int64
+    (np.int64, b'[9223372036854775808]', r"holds 9223372036854775808 at \[0\], outside int64's range "
+                                          r"\[-9223372036854775808, 9223372036854775807\]"),
+    (np.int64, b'[1, 9223372036854775808]', r"holds 9223372036854775808 at \[1\], outside int64's range"),
+    (np.int64, b'[-9223372036854775809]', r"holds -9223372036854775809 at \[0\], outside int64's range"),
+    (np.uint64, b'[1, 18446744073709551616]', r"holds 18446744073709551616 at \[1\], outside uint64's range"),
+    (np.float16, b'[100000.0, 1]', r"holds 100000.0 at \[0\], outside float16's range \[-65504, 65504\]: it "
+                                   r"would become inf"),
+    (np.float16, b'[1, -70000]', r"holds -70000 at \[1\], outside float16's range"),
+    (np.float32, b'[1e39]', r"holds 1e\+39 at \[0\], outside float32's range"),
+    (np.float32, b'[1' + b'0' * 400 + b']', r"holds 100000000000\.\.\. \(401 digits\) at \[0\], outside float32's"),
+    (np.float64, b'[1e400]', r"holds a number beyond float64's range"),
+])
+def test_json_values_outside_the_input_dtype_are_refused_never_wrapped(dtype, body, message):
+    with pytest.raises(RequestError, match=r"^POST /m: input 0 " + message):
+        decode_inputs(b'{"inputs": [' + body + b']}', JSON, ints(dtype), "POST /m", limit=1 << 20)
+
+
+def test_json_values_at_the_edges_of_the_input_dtype_are_taken_exactly():
+    def one(dtype, body):
+        (x,) = decode_inputs(b'{"inputs": [' + body + b']}', JSON, ints(dtype), "POST /m", limit=1 << 20)
+        assert x.dtype == dtype
+        return x.tolist()
+
+    assert one(np.uint8, b"[255, 0]") == [255, 0]
+    assert one(np.int32, b"[2147483647, -2147483648]") == [2147483647, -2147483648]
+    assert one(np.int64, b"[9223372036854775807, -9223372036854775808]") == [2**63 - 1, -(2**63)]
+    assert one(np.uint64, b"[18446744073709551615, 1]") == [2**64 - 1, 1]
+    assert one(np.float16, b"[65504, -65504.0]") == [65504.0, -65504.0]
+    assert one(np.int8, b"[true, 3]") == [1, 3]
+    with pytest.raises(RequestError, match=r"input 0 holds fractional numbers; the method takes int64"):
+        one(np.int64, b"[2.0, 9223372036854775808]")
+
+
+def test_json_carries_nan_and_infinities_as_strings_both_ways():
+    y = np.array([np.nan, np.inf, -np.inf, 1.5, -0.0], np.float32)
+    body = encode_outputs([y, np.array(np.nan), np.array([1, 2])], JSON)
+    assert body == (b'{"outputs":[["NaN","Infinity","-Infinity",1.5,-0.0],"NaN",[1,2]],'
+                    b'"dtypes":["float32","float64","int64"],"shapes":[[5],[],[2]]}')
+    (x,) = decode_inputs(b'{"inputs": [["NaN", "Infinity", "-Infinity", 1.5, -0.0]]}', JSON, ints(np.float32),
+                         "POST /m", limit=1 << 20)
+    np.testing.assert_array_equal(x, y)
+    assert x.dtype == np.float32 and np.signbit(x[4])
+    for bad, dtype in ((b'["nan"]', np.float32), (b'["NaN"]', np.int32), (b"[null, 1]", np.float32)):
+        with pytest.raises(RequestError, match=r"input 0 holds (<U\d+|object) values; expected numbers for"):
+            decode_inputs(b'{"inputs": [' + bad + b']}', JSON, ints(dtype), "POST /m", limit=1 << 20)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -196,6 +254,41 @@ def test_requests_are_grouped_by_signature_within_the_range_and_split_back():
     assert len(group_requests([rows(40), rows(40)], (1, 64))) == 2  # 80 rows would be over the range
 
 
+def test_the_joined_call_check_tells_rows_that_mix_from_rows_alone():
+    m = meta(["b", 3], outputs=[["b", 3]])
+    calls = []
+
+    def run(f):
+        def call(inputs):
+            calls.append(inputs[0].shape[0])
+            return [f(inputs[0])]
+        return call
+
+    assert joined_call_differs(run(lambda x: x * 2), m, {"b": [1, 64]}, (1, 64)) is None
+    assert calls == [3, 1, 2]  # the joined call, then each request alone: three calls in all
+    why = joined_call_differs(run(lambda x: x - x.mean(0, keepdims=True)), m, {"b": [1, 64]}, (1, 64))
+    assert why.startswith("its rows depend on each other: two requests of 1 and 2 random rows joined into one call "
+                          "did not each get what it gets alone (request 0's output 0: ")
+    assert joined_call_differs(run(lambda x: np.cumsum(x, 0)), m, {"b": [1, 64]}, (1, 64)) is not None
+    assert joined_call_differs(run(lambda x: x * x.shape[0]), m, {"b": [2, 64]}, (2, 64)) is not None
+    # rounding of another batch size is not a difference; an integer one is
+    assert joined_call_differs(run(lambda x: x * (1 + 1e-6 * x.shape[0])), m, {"b": [1, 64]}, (1, 64)) is None
+    im = MethodMeta("m", (TensorMeta(("b", "t"), np.dtype(np.int64), True),),
+                    (TensorMeta(("b",), np.dtype(np.int64), True),), (), ())
+    assert joined_call_differs(run(lambda x: x.sum(1)), im, {"b": [1, 8], "t": [1, None]}, (1, 8)) is None
+    assert "1 of 1 values unequal" in joined_call_differs(run(lambda x: x.sum(1) + x.shape[0]), im,
+                                                          {"b": [1, 8], "t": [1, None]}, (1, 8))
+
+    def fails(inputs):
+        raise ValueError("index 1 is out of bounds")
+
+    assert joined_call_differs(fails, m, {"b": [1, 64]}, (1, 64)) == (
+        "its check of joined requests (1 and 2 rows, random values) failed: ValueError: index 1 is out of bounds")
+    calls.clear()
+    assert joined_call_differs(run(lambda x: x - x.mean(0)), m, {"b": [2, 3]}, (2, 3)) is None  # never joined
+    assert calls == []
+
+
 def test_errors_map_to_client_statuses_with_the_sentence_and_no_traceback():
     assert http_status(MethodNotFound("x")) == 404
     assert http_status(RequestTooLarge("x")) == 413
@@ -225,6 +318,7 @@ def test_a_batch_answers_each_request_as_it_would_alone(tiny_program_path, tiny_
 
     server = ProgramServer(tiny_program_path, plan(tiny_program_path, max_batch_size=8))
     try:
+        assert server.batched == ("forward",)  # its rows are its own: the replica's check keeps it batched
         xs = [rng.standard_normal((n, 16), dtype=np.float32) for n in (1, 3, 2)]
         alone = [server.execute("forward", [x])[0] for x in xs]
         batch = [[x] for x in xs] + [[xs[0].astype(np.float64)]]
@@ -238,6 +332,34 @@ def test_a_batch_answers_each_request_as_it_would_alone(tiny_program_path, tiny_
         with pytest.raises(MethodNotFound, match=r"'tiny.onecopy' serves no method 'nope'; it serves forward, single"):
             server.execute("nope", [xs[0]])
         assert server.sessions is None  # no stateful method: no store
+    finally:
+        server.close()
+
+
+def test_a_method_whose_rows_mix_is_served_unbatched_and_each_request_gets_its_own_answer(
+        mixing_program_path, rng, caplog):
+    config = plan(mixing_program_path, max_batch_size=8)
+    assert config.batched == ("center", "scale")  # the shapes allow both
+    with caplog.at_level("WARNING", logger="onecopy"):
+        server = ProgramServer(mixing_program_path, config)
+    try:
+        assert server.batched == ("scale",)
+        warnings = [r.getMessage() for r in caplog.records if "is not batched" in r.getMessage()]
+        assert len(warnings) == 1 and "method 'center'" in warnings[0] and "rows depend on each other" in warnings[0]
+        described = server.describe()["methods"]
+        assert described["center"]["batched"] is False
+        assert "rows depend on each other" in described["center"]["not_batched_because"]
+        assert described["scale"]["batched"] is True and "not_batched_because" not in described["scale"]
+        xs = [rng.standard_normal((n, 3), dtype=np.float32) for n in (2, 1, 3)]
+        for name in ("center", "scale"):
+            alone = [server.execute(name, [x])[0] for x in xs]
+            for outcome, expected in zip(server.execute_batch(name, [[x] for x in xs]), alone):
+                np.testing.assert_array_equal(outcome.result()[0], expected)
+        np.testing.assert_allclose(server.execute("center", [xs[0]])[0], xs[0] - xs[0].mean(0, keepdims=True),
+                                   rtol=1e-5, atol=1e-6)
+        counts = server.describe()["methods"]
+        assert (counts["center"]["requests"], counts["center"]["calls"]) == (7, 7)  # every request alone
+        assert (counts["scale"]["requests"], counts["scale"]["calls"]) == (6, 4)  # the batch of 3: one call
     finally:
         server.close()
 

@@ -2,19 +2,22 @@
 
 A method is batched only when every input and every output has a dynamic first dimension (a torch.export.Dim),
 the same one: then requests joined along it are one call of the same function, and each request's rows of the
-outputs are its answer. Any other method runs request by request, and `batch_refusal` says why.
+outputs are its answer, provided a row's outputs depend on that row alone. The shapes say nothing of that
+(`x - x.mean(0)` has them), so each replica measures it as it starts (`joined_call_differs`: random requests
+joined into one call and each alone) and serves a method whose rows mix request by request. Any method not batched
+runs request by request, and `batch_refusal` or `joined_call_differs` says why.
 Nothing here needs Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from onecopy.runtime.method_meta import MethodMeta
 
-__all__ = ["batch_refusal", "batch_dim_range", "Group", "group_requests", "split_outputs"]
+__all__ = ["batch_refusal", "batch_dim_range", "joined_call_differs", "Group", "group_requests", "split_outputs"]
 
 
 def batch_refusal(meta: MethodMeta) -> str | None:
@@ -38,6 +41,86 @@ def batch_dim_range(meta: MethodMeta, symbols: Mapping[str, Sequence[int | None]
     """The batch dimension's exported range [min, max] (max None: unbounded)."""
     low, high = symbols.get(str(meta.inputs[0].shape[0]), (None, None))
     return (int(low) if low is not None else 0, int(high) if high is not None else None)
+
+
+def joined_call_differs(run: Callable[[list[np.ndarray]], Sequence[np.ndarray]], meta: MethodMeta,
+                        symbols: Mapping[str, Sequence[int | None]], dim_range: tuple[int, int | None], *,
+                        tolerance: float = 1e-4, seed: int = 0) -> str | None:
+    """None when two requests of random rows joined into one call of `run` (the method) get each what it gets
+    alone; else why not (one phrase, for logs and `GET /`). Three calls: the joined one and each request alone.
+
+    Requests of a and a + 1 rows (a: the batch dimension's minimum, at least 1; a + 1 only if both fit its maximum
+    together), floats standard normal, integers 0 or 1 (in range as indices), booleans random; each other
+    dynamic dimension 2 (within its range). Floats may differ by `tolerance` of the outputs' scale (at least 1):
+    another batch size may round differently; integers and booleans must be equal. A call that fails counts as a
+    difference: the method was not shown to give each request what it would alone."""
+    low, high = dim_range
+    first = max(low, 1)
+    if high is not None and 2 * first > high:
+        return None  # two requests never fit one call: `group_requests` never joins them
+    rows = (first, first + 1 if high is None or 2 * first + 1 <= high else first)
+    batch = str(meta.inputs[0].shape[0])
+    sizes: dict[str, int] = {}
+    for name, (least, most) in symbols.items():
+        size = max(2, least if least is not None else 0)
+        sizes[name] = min(size, most) if most is not None else size
+    rng = np.random.default_rng(seed)
+    requests = []
+    for count in rows:
+        arrays = []
+        for i, tensor in enumerate(meta.inputs):
+            shape = tensor.shape_for({**sizes, batch: count})
+            if shape is None:
+                return f"its check of joined requests could not size input {i} {list(tensor.shape)}"
+            arrays.append(_random(rng, shape, tensor.dtype))
+        requests.append(arrays)
+    joined = [np.concatenate([r[i] for r in requests]) for i in range(len(meta.inputs))]
+    try:
+        together = split_outputs([np.asarray(o) for o in run(joined)], rows)
+        alone = [[np.asarray(o) for o in run(r)] for r in requests]
+    except Exception as e:  # noqa: BLE001 - any failure: not shown to be the same, so not batched
+        return (f"its check of joined requests ({rows[0]} and {rows[1]} rows, random values) failed: "
+                f"{type(e).__name__}: {str(e)[:200]}")
+    for k, (mine, theirs) in enumerate(zip(together, alone)):
+        for i, (got, want) in enumerate(zip(mine, theirs)):
+            why = _differs(got, want, tolerance)
+            if why is not None:
+                return (f"its rows depend on each other: two requests of {rows[0]} and {rows[1]} random rows "
+                        f"joined into one call did not each get what it gets alone (request {k}'s output {i}: {why})")
+    return None
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu":
+        return rng.integers(0, 2, shape).astype(dtype)  # small, non-negative: valid as indices and positions
+    return np.zeros(shape, dtype)
+
+
+def _differs(got: np.ndarray, want: np.ndarray, tolerance: float) -> str | None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{got.dtype}{list(got.shape)} joined, {want.dtype}{list(want.shape)} alone"
+    if got.size == 0:
+        return None
+    if want.dtype.kind not in "fc":
+        wrong = int(np.count_nonzero(got != want))
+        return f"{wrong} of {want.size} values unequal" if wrong else None
+    wide = np.complex128 if want.dtype.kind == "c" else np.float64
+    g, w = got.astype(wide), want.astype(wide)
+    nan = np.isnan(w)
+    if not np.array_equal(np.isnan(g), nan):
+        return "NaN in different places"
+    g, w = np.where(nan, 0, g), np.where(nan, 0, w)
+    infinite = np.isinf(w)
+    if not np.array_equal(g[infinite], w[infinite]):
+        return "infinities in different places"
+    g, w = np.where(infinite, 0, g), np.where(infinite, 0, w)
+    scale = float(np.max(np.abs(w)))
+    error = float(np.max(np.abs(g - w)))
+    return None if error <= tolerance * max(scale, 1.0) else f"{error:.2e} away, where alone its largest is {scale:.2e}"
 
 
 class Group:

@@ -4,8 +4,12 @@
     POST /forward  content-type: application/json     body: {"inputs": [[...], ...]}       -> {"outputs": [...]}
 
 An answer comes in the format of its request. JSON carries no dtypes: each input is converted to the dtype the
-method takes (a float given to an integer input is refused, never truncated), and the answer says each output's
-dtype and shape beside its values. Nothing here needs Ray.
+method takes, and a value that dtype cannot hold is refused (RequestError, HTTP 400), never truncated, wrapped or
+rounded to inf: a float given to an integer input, an integer outside the input's range (300 for uint8), a finite
+number beyond a float input's largest (1e5 for float16). The answer says each output's dtype and shape beside its
+values. JSON numbers have no NaN or infinities: answers write them as the strings "NaN", "Infinity" and
+"-Infinity" (the words Python's json module writes, quoted), and float inputs take those strings too.
+Nothing here needs Ray.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ __all__ = [
     "decode_inputs",
     "encode_outputs",
     "encode_json",
+    "NONFINITE_JSON",
 ]
 
 NPZ = "application/x-npz"
@@ -122,19 +127,116 @@ def _decode_json(body: bytes, inputs: Sequence[TensorMeta], where: str) -> list[
     return [_json_array(raw, meta, f"{where}: input {i}") for i, (raw, meta) in enumerate(zip(request.inputs, inputs))]
 
 
+# Float values JSON numbers cannot carry: written as these strings in answers, taken as them in float inputs.
+NONFINITE_JSON = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
 def _json_array(raw: msgspec.Raw, meta: TensorMeta, where: str) -> np.ndarray:
     try:
         value = msgspec.json.decode(raw)
+    except msgspec.ValidationError as e:  # a number literal beyond float64 (1e400): msgspec's only check here
+        raise RequestError(f"{where} holds a number beyond float64's range ({e}); the method takes "
+                           f"{meta.dtype}.") from e
+    try:
         given = np.array(value)
     except ValueError as e:  # ragged lists: numpy refuses to make an object array implicitly
         raise RequestError(f"{where} is not a rectangular nested list of numbers ({e}).") from e
-    if given.dtype == object or given.dtype.kind not in "biuf":
-        raise RequestError(f"{where} holds {given.dtype} values; expected numbers for {meta.dtype}.")
-    if meta.dtype.kind in "iub" and given.dtype.kind == "f":
-        raise RequestError(f"{where} holds fractional numbers; the method takes {meta.dtype}. Send integers.")
-    if meta.dtype.kind == "b" and given.dtype.kind != "b":
-        raise RequestError(f"{where} holds numbers; the method takes bool. Send true/false.")
-    return given.astype(meta.dtype, copy=False)
+    dtype = meta.dtype
+    if dtype.kind == "b":
+        if given.dtype.kind in "OU":
+            raise RequestError(f"{where} holds {given.dtype} values; expected true/false for bool.")
+        if given.dtype.kind != "b":
+            raise RequestError(f"{where} holds numbers; the method takes bool. Send true/false.")
+        return given
+    if dtype.kind not in "iuf":
+        raise RequestError(f"{where}: the method takes {dtype}, which JSON does not carry; send npz.")
+    # numpy's own dtype for the values can hide what was sent: ints past uint64's range make an object array, and
+    # int64 and uint64 values together a float64 one. Those (and strings, nulls) are read value by value.
+    if given.dtype.kind not in "biuf" or (dtype.kind in "iu" and given.dtype.kind == "f"):
+        given = _by_value(value, given.dtype, dtype, where)
+    if dtype.kind in "iu":
+        return _as_integers(given, dtype, where)
+    return _as_floats(given, dtype, where)
+
+
+def _by_value(value: object, shown: np.dtype, dtype: np.dtype, where: str) -> np.ndarray:
+    """The values of a nested list one by one, as Python decoded them: a float for an integer input is refused,
+    integers of any size are kept exact (their range is checked after), the strings of NONFINITE_JSON are taken
+    for a float input; anything else (null, other strings) is refused."""
+    items = np.array(value, dtype=object)  # rectangular (np.array(value) made it), so each item is a scalar
+    flat = items.reshape(-1)
+    out = np.empty(flat.shape, np.float64 if dtype.kind == "f" else object)
+    for k, item in enumerate(flat):
+        if isinstance(item, (bool, int)):
+            if dtype.kind == "f":
+                try:
+                    out[k] = float(item)
+                except OverflowError:  # an integer beyond float64's range
+                    raise _out_of_range(where, item, _index(k, items.shape), dtype) from None
+            else:
+                out[k] = int(item)
+        elif isinstance(item, float):
+            if dtype.kind != "f":
+                raise RequestError(f"{where} holds fractional numbers; the method takes {dtype}. Send integers.")
+            out[k] = item
+        elif isinstance(item, str) and dtype.kind == "f" and item in NONFINITE_JSON:
+            out[k] = NONFINITE_JSON[item]
+        else:
+            raise RequestError(f"{where} holds {shown} values; expected numbers for {dtype}"
+                               + (f' (or the strings {", ".join(map(repr, NONFINITE_JSON))})' if dtype.kind == "f"
+                                  else "") + ".")
+    if dtype.kind == "f":
+        return out.reshape(items.shape)
+    _check_integers(out, items.shape, dtype, where)  # before making an int64 array of them (it could overflow)
+    return out.astype(dtype).reshape(items.shape)
+
+
+def _check_integers(flat: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, where: str) -> None:
+    info = np.iinfo(dtype)
+    for k, item in enumerate(flat):
+        if not info.min <= item <= info.max:
+            raise _out_of_range(where, int(item), _index(k, shape), dtype)
+
+
+def _as_integers(given: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    if given.dtype.kind in "iu" and given.size:
+        info = np.iinfo(dtype)
+        if int(given.min()) < info.min or int(given.max()) > info.max:
+            outside = ((given < info.min) | (given > info.max)).reshape(-1)
+            k = int(np.argmax(outside))
+            raise _out_of_range(where, int(given.reshape(-1)[k]), _index(k, given.shape), dtype)
+    return given.astype(dtype, copy=False)
+
+
+def _as_floats(given: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = given.astype(dtype, copy=False)
+    if given.dtype.kind != "b" and converted.size:
+        overflowed = np.isinf(converted) & np.isfinite(given)
+        if overflowed.any():
+            k = int(np.argmax(overflowed.reshape(-1)))
+            raise _out_of_range(where, given.reshape(-1)[k].item(), _index(k, given.shape), dtype)
+    return converted
+
+
+def _index(k: int, shape: tuple[int, ...]) -> list[int]:
+    return [int(i) for i in np.unravel_index(k, shape)] if shape else []
+
+
+def _out_of_range(where: str, found: int | float, index: list[int], dtype: np.dtype) -> RequestError:
+    at = f" at {index}" if index else ""
+    shown = str(found)
+    if len(shown) > 40:  # an integer of hundreds of digits
+        shown = f"{shown[:12]}... ({len(shown.lstrip('-'))} digits)"
+    if dtype.kind == "f":
+        largest = f"{float(np.finfo(dtype).max):.8g}"  # 65504, 3.4028235e+38
+        return RequestError(
+            f"{where} holds {shown}{at}, outside {dtype}'s range [-{largest}, {largest}]: it would become inf. "
+            f"The method takes {dtype}; send values within its range.")
+    info = np.iinfo(dtype)
+    return RequestError(
+        f"{where} holds {shown}{at}, outside {dtype}'s range [{info.min}, {info.max}]: values are never wrapped "
+        f"into the method's dtype. The method takes {dtype}; send values within its range.")
 
 
 def encode_outputs(outputs: Sequence[np.ndarray], fmt: str) -> bytes:
@@ -145,11 +247,23 @@ def encode_outputs(outputs: Sequence[np.ndarray], fmt: str) -> bytes:
         return buffer.getvalue()
     return encode_json(
         {
-            "outputs": [o.tolist() for o in outputs],
+            "outputs": [_json_values(o) for o in outputs],
             "dtypes": [str(o.dtype) for o in outputs],
             "shapes": [list(o.shape) for o in outputs],
         }
     )
+
+
+def _json_values(output: np.ndarray) -> object:
+    """An output as nested lists, with NaN and infinities as the strings of NONFINITE_JSON (JSON has no such
+    numbers; msgspec would write each as null, and the three would look alike)."""
+    if output.dtype.kind == "f":
+        nan, positive, negative = np.isnan(output), np.isposinf(output), np.isneginf(output)
+        if nan.any() or positive.any() or negative.any():
+            items = output.astype(object)  # Python floats
+            items[nan], items[positive], items[negative] = "NaN", "Infinity", "-Infinity"
+            return items.tolist()
+    return output.tolist()
 
 
 def encode_json(value: object) -> bytes:

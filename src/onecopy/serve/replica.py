@@ -67,7 +67,8 @@ class OnecopyReplica:
         self._server = ProgramServer(program_path, config)
         self._limit = config.max_request_bytes
         # One batch queue per batched method: requests of different methods never share a call.
-        self._batchers = {name: self._batcher(name, config) for name in config.batched}
+        # (the methods the plan batches that this replica measured giving each request what it would alone)
+        self._batchers = {name: self._batcher(name, config) for name in self._server.batched}
         self._register_session = None
         if self._server.sessions is not None:
             async def session_here(session_id: str) -> str:
@@ -179,8 +180,10 @@ def deployment(
         program_path: a program file every node that runs a replica can read at this path.
         backend_options: given to `load_program` (the shared loaded model is turned on for multifunction programs).
         max_batch_size: join up to this many concurrent requests to a method into one call. Applies to methods
-            whose inputs and outputs all have the same dynamic first dimension (a torch.export.Dim); the others
-            run request by request (logged, and said by `GET /`). Fails when no method can be batched.
+            whose inputs and outputs all have the same dynamic first dimension (a torch.export.Dim) and whose
+            rows do not depend on each other (each replica checks it as it starts: random requests joined into
+            one call and each alone); the others run request by request (logged, and said by `GET /`). Fails
+            when no method has such shapes.
         batch_wait_timeout_s: how long a batch waits for more requests once it has one.
         ray_actor_options: each replica's Ray actor options (e.g. {"num_cpus": 1}).
         max_request_bytes: larger HTTP requests are refused with 413, before their body is read when they say

@@ -27,7 +27,15 @@ from onecopy.errors import (
 from onecopy.delegate.manifest import BACKEND as IREE_BACKEND, parse_manifest
 from onecopy.runtime import Runtime
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
-from onecopy.serve.batching import batch_dim_range, batch_refusal, group_requests, split_outputs
+from onecopy.runtime.selection import TOLERANCES
+from onecopy.serve.batching import (
+    Group,
+    batch_dim_range,
+    batch_refusal,
+    group_requests,
+    joined_call_differs,
+    split_outputs,
+)
 from onecopy.serve.codec import DEFAULT_MAX_REQUEST_BYTES, encode_json
 from onecopy.serve.sessions import DEFAULT_MAX_SESSIONS, SessionStore
 
@@ -55,7 +63,9 @@ class ServeConfig:
     batch_wait_timeout_s: float = 0.005
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_sessions: int = DEFAULT_MAX_SESSIONS
-    # Decided by `plan` from the program's method_meta: the methods batched, and why each other one is not.
+    # Decided by `plan` from the program's method_meta: the methods batched, and why each other one is not. Each
+    # replica then measures whether the batched ones give each request what it would alone
+    # (`ProgramServer.batched`); those that do not run request by request there too.
     batched: tuple[str, ...] = ()
     not_batched: Mapping[str, str] = field(default_factory=dict)
 
@@ -171,6 +181,19 @@ class ProgramServer:
             self._ranges = {
                 name: batch_dim_range(self.methods[name].method_meta, self._symbols(name)) for name in config.batched
             }
+            # The methods this replica batches: those of the plan whose requests, joined into one call, each got
+            # what they got alone (measured now; the shapes cannot say whether a method's rows mix).
+            self.not_batched: dict[str, str] = dict(config.not_batched)
+            tolerance = TOLERANCES.get(getattr(self.program, "precision", "fp32"), max(TOLERANCES.values()))
+            for name in config.batched:
+                method = self.methods[name]
+                why = joined_call_differs(method.execute, method.method_meta, self._symbols(name), self._ranges[name],
+                                          tolerance=tolerance)
+                if why is not None:
+                    self.not_batched[name] = why
+                    log.warning("serve: method '%s' of %s is not batched: %s; each request runs alone",
+                                name, self.path, why)
+            self.batched: tuple[str, ...] = tuple(n for n in config.batched if n not in self.not_batched)
             self.sessions: SessionStore | None = None
             if any(self._stateful.values()):
                 self.sessions = SessionStore(self.program.create_state, config.max_sessions,
@@ -212,7 +235,7 @@ class ProgramServer:
             "replica": {"pid": os.getpid()},
             "max_request_bytes": self.config.max_request_bytes,
             "methods": {
-                name: describe_method(m.method_meta, batched=name in self.config.batched, why_not=self.config.not_batched.get(name),
+                name: describe_method(m.method_meta, batched=name in self.batched, why_not=self.not_batched.get(name),
                                       stateful=self._stateful[name])
                 | {"requests": self._counts[name][0], "calls": self._counts[name][1]}
                 for name, m in self.methods.items()
@@ -237,11 +260,16 @@ class ProgramServer:
             return method.execute(inputs, state=state)
 
     def execute_batch(self, name: str, batch: Sequence[Sequence[Any]]) -> list[Outcome]:
-        """Run requests of one batched method as few calls as their shapes allow; each gets what it would alone."""
+        """Run requests of one batched method as few calls as their shapes allow; each gets what it would alone.
+        A method this replica does not batch (`batched`) runs each request alone."""
         method = self.method(name)
         outcomes: list[Outcome] = [Outcome() for _ in batch]
         self._count(name, len(batch), 0)
-        for group in group_requests(batch, self._ranges[name]):
+        if name in self.batched:
+            groups = group_requests(batch, self._ranges[name])
+        else:
+            groups = [_alone(index) for index in range(len(batch))]
+        for group in groups:
             if len(group.members) > 1:
                 try:
                     self._count(name, 0, 1)
@@ -259,6 +287,13 @@ class ProgramServer:
                 except Exception as e:
                     outcomes[member].error = e
         return outcomes
+
+
+def _alone(index: int) -> Group:
+    group = Group()
+    group.members.append(index)
+    group.rows.append(0)
+    return group
 
 
 def http_status(error: BaseException) -> int:
