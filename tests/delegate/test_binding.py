@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from onecopy import Runtime
+from onecopy import Runtime, Surface
 from onecopy.delegate._frame_run import FrameRun
 from onecopy.delegate.binding import SurfaceBinding
 from onecopy.delegate.engine import hal_device
@@ -340,10 +340,24 @@ def test_closing_a_bound_surface_fails_the_next_call_cleanly(scale_bias, surface
         forward.execute([held], outputs=[frame(dst)])  # a kept plan: the next call reruns it
         src.close()
         for _ in range(2):
-            with pytest.raises(ExecutionError, match=r"input 0 is bound surface '.*', which was closed"):
+            with pytest.raises(ExecutionError, match=r"input 0 is bound surface '.*', which was closed") as error:
                 forward.execute([held], outputs=[frame(dst)])
         with dst.lock(readonly=False):  # the failed calls gave back what they had taken
             pass
+        # The error's advice is something the API can do (there is no unbind): open the surface again and bind
+        # it, or pass a plain array.
+        message = str(error.value)
+        assert "unbind" not in message
+        assert f"Surface.open('{src.name}')" in message and "bind_surface()" in message and "plain array" in message
+        held[:] = 3
+        with Surface.open(src.name) as again:
+            forward.bind_surface(again)
+            forward.execute([frame(again)], outputs=[frame(dst)])
+            stats = forward.last_copy_stats
+            assert (stats.copied_in, stats.in_place_in) == (0, frame(again).nbytes)
+        assert (frame(dst) == 7).all()
+        forward.execute([np.full(SHAPE, 2, np.float16)], outputs=[frame(dst)])  # a plain array: copied in
+        assert (frame(dst) == 5).all()
 
 
 def test_binding_a_closed_or_foreign_object_is_refused(scale_bias, surfaces):
@@ -489,6 +503,11 @@ def test_a_prepared_call_fails_cleanly_once_its_surface_or_program_is_closed(sca
     src.close()
     with pytest.raises(ExecutionError, match=f"input 0 is bound surface '{src.name}', which was closed"):
         call.run()
+    with Surface.open(src.name) as again:  # what the error advises: open it again, bind it, prepare again
+        forward.bind_surface(again)
+        frame(again)[:] = 1
+        forward.prepare([frame(again)], outputs=[frame(dst)]).run()
+        assert (frame(dst) == 3).all()
     program.close()
     with pytest.raises(ExecutionError, match="belongs to a closed program"):
         call.run()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import select
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 
 from onecopy.errors import InvalidArgument
 from onecopy.surface import SHM_DIR, Surface
-from tests.surface.conftest import RUN, child
+from tests.surface.conftest import ROOT, RUN, child
 
 
 def test_rows_of_360_fp16_values_are_padded_to_768_bytes(surfaces):
@@ -220,6 +223,66 @@ def test_the_creators_with_block_closes_and_unlinks_an_openers_only_closes(name)
         assert Path(creator.path).exists()
     assert creator.is_closed
     assert not Path(creator.path).exists()
+
+
+def test_leaving_the_creators_with_block_tells_every_opener_it_is_unlinked(name):
+    with Surface.create(2, 8, name=name):
+        opener = Surface.open(name)
+        assert not opener.unlinked
+    assert not Path(opener.path).exists()
+    assert opener.unlinked  # the shared flag, not only the name's absence
+    opener.close()
+
+
+def test_unlink_after_close_still_sets_the_shared_flag(name):
+    creator = Surface.create(2, 8, name=name)
+    opener = Surface.open(name)
+    creator.close()
+    creator.unlink()
+    assert not Path(opener.path).exists()
+    assert opener.unlinked
+    opener.close()
+
+
+def test_a_closed_surfaces_unlink_neither_removes_nor_flags_a_newer_surface_that_took_the_name(name):
+    old = Surface.create(1, 8, name=name)
+    late = Surface.open(name)
+    old.unlink()
+    late.close()
+    with Surface.create(1, 8, name=name) as new:
+        late.unlink()  # closed: it would flag the surface through the file, were the file still its own
+        assert Path(new.path).exists()
+        assert not new.unlinked
+    old.close()
+
+
+OPENER = """
+import sys
+from onecopy.surface import Surface
+surface = Surface.open(sys.argv[1])
+print(surface.unlinked, flush=True)
+sys.stdin.readline()
+print(surface.unlinked, flush=True)
+surface.close()
+"""
+
+
+def test_an_opener_in_another_process_sees_the_creators_with_block_unlink(name):
+    with Surface.create(2, 8, name=name):
+        process = subprocess.Popen(
+            [sys.executable, "-c", OPENER, name], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            ready, _, _ = select.select([process.stdout], [], [], 60)
+            assert ready and process.stdout.readline().strip() == "False", process.stderr.read()
+        except BaseException:
+            process.kill()
+            process.communicate()
+            raise
+    out, err = process.communicate("go\n", timeout=60)
+    assert process.returncode == 0, err
+    assert out.strip() == "True"
 
 
 def test_a_surface_dropped_without_close_gives_its_descriptor_back(name):

@@ -60,8 +60,10 @@ class SurfaceBinding:
     def check_open(self, what: str) -> None:
         if self.surface.is_closed:
             raise ExecutionError(
-                f"{self.where}: {what} is bound surface '{self.surface.name}', which was closed; unbind it or "
-                "open and bind it again."
+                f"{self.where}: {what} is bound surface '{self.surface.name}', which was closed; pass an open "
+                f"surface's memory instead: open it again with Surface.open('{self.surface.name}') (or create a new "
+                "one), bind that with bind_surface() and pass its array() (a prepared call: prepare it again on "
+                "those), or pass a plain array, which is copied."
             )
 
     def in_place(self, array: np.ndarray) -> bool:

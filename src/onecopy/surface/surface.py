@@ -325,34 +325,53 @@ class Surface:
     def unlink(self) -> None:
         """Remove the name, so no process can open the surface any more; those that have it mapped keep it.
 
-        Idempotent. The creator does it when leaving its `with` block; an opener does it only when asked.
+        Sets the shared `unlinked` flag every other holder reads, through this process's mapping, or, once this
+        surface is closed, through the file while it still has the name. Idempotent. The creator does it when leaving
+        its `with` block; an opener does it only when asked.
         """
         if self._unlinked_here:
             return
         path = self.path
-        try:
-            st = os.stat(path, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) == self._identity:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass  # another process unlinked it first
-        except OSError as e:
-            raise OnecopyError(f"Cannot unlink surface '{self._name}' ({path}): {e.strerror}.") from e
-        self._unlinked_here = True
+        # Under the condition, so a close() in another thread cannot unmap between the check and the flag's write.
         with self._cond:
-            if not self._closed:
-                flags = U64.unpack_from(self._map, FLAGS_AT)[0]
-                U64.pack_into(self._map, FLAGS_AT, flags | FLAG_UNLINKED)
+            fd = None
+            try:
+                try:
+                    if self._closed:  # no mapping left: reach the header through the file, if it is still ours
+                        with contextlib.suppress(OSError):  # gone, a link, not ours: decided below, as when open
+                            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+                    st = os.fstat(fd) if fd is not None else os.stat(path, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == self._identity:
+                        os.unlink(path)
+                    elif fd is not None:  # a newer surface that took the name: neither ours to remove nor to flag
+                        os.close(fd)
+                        fd = None
+                except FileNotFoundError:
+                    pass  # another process unlinked it first (and set the flag)
+                except OSError as e:
+                    raise OnecopyError(f"Cannot unlink surface '{self._name}' ({path}): {e.strerror}.") from e
+                self._unlinked_here = True
+                if not self._closed:
+                    flags = U64.unpack_from(self._map, FLAGS_AT)[0]
+                    U64.pack_into(self._map, FLAGS_AT, flags | FLAG_UNLINKED)
+                elif fd is not None:
+                    flags = U64.unpack(os.pread(fd, U64.size, FLAGS_AT))[0]
+                    os.pwrite(fd, U64.pack(flags | FLAG_UNLINKED), FLAGS_AT)
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
     def __enter__(self) -> Surface:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        # The creator unlinks first, while its mapping can still set the shared `unlinked` flag; close() runs even
+        # when unlink() fails.
         try:
-            self.close()
-        finally:
             if self._created:
                 self.unlink()
+        finally:
+            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
