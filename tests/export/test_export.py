@@ -258,6 +258,23 @@ class PlusOne(torch.nn.Module):
         return x + 1
 
 
+class FlagState(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.bool))
+
+    def forward(self, x):
+        self.seen.logical_or_(x > 0)
+        return self.seen.float()
+
+
+def test_a_bool_state_is_refused_at_export_with_what_to_keep_instead():
+    ep = torch.export.export(FlagState(), (torch.zeros(4),))
+    with pytest.raises(ExportError, match=r"State 'seen' is bool, which the engine cannot keep between calls\. Keep "
+                                          r"it as an integer buffer"):
+        export_program({"forward": ep})
+
+
 class HalfState(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -130,6 +130,10 @@ def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, b
         if not uses:
             del states.by_method[method]
     for k, (name, (_, tensor)) in enumerate(first.items()):
+        if tensor.dtype == torch.bool:  # iree-turbine cannot store to a bool global (an unmapped-global error)
+            raise ExportError(f"State '{name}' is bool, which the engine cannot keep between calls. Keep it as an "
+                              f"integer buffer in the model (e.g. int32: register_buffer(..., torch.zeros(..., "
+                              "dtype=torch.int32)), compared with > 0 where a flag is read).")
         initial = None
         key = None
         if bool(tensor.any()):
