@@ -7,7 +7,7 @@
   whose outputs differ from IREE's, on those inputs or on their mirror (negated), is not kept: in shape or dtype,
   integers and flags in any value, floats beyond the precision's tolerance (fp32: 1e-4 of the outputs' scale;
   bf16, where both engines compute on bf16 inputs and round differently: 3e-2). Integer inputs vary only within
-  the bounds the program records for them, and are zeros without (`_random_inputs`: the engine checks no index, so
+  the bounds the program records for them, and are zeros without (`agreement.random_inputs`: the engine checks no index, so
   an integer input is never given a value that might be out of range). The fastest is recorded in
   `<cache dir>/choices/<key>.json` (key: the delegates' export hashes, the method, this CPU and the engines'
   versions) with every timing and what each load added to memory, so later loads read it and time nothing.
@@ -33,6 +33,7 @@ import numpy as np
 from onecopy.errors import ProgramFormatError
 from onecopy.program import DelegateCall, MethodDef, ProgramDef
 from onecopy.runtime.backend import DelegateHandle, delegate_summary, get_backend
+from onecopy.runtime.agreement import difference, mirrored, random_inputs
 from onecopy.runtime.method_meta import Choice, MethodMeta, TensorMeta
 
 __all__ = ["PREFERENCES", "Choice", "choice_key", "read_choice", "write_choice", "time_delegates", "memory_mb",
@@ -124,100 +125,7 @@ def memory_mb() -> dict[str, float]:
     return found
 
 
-def _random_inputs(specs: Sequence[TensorMeta], seed: int = 0,
-                   bounds: Mapping[int, Sequence[int]] | None = None) -> list[np.ndarray]:
-    """Inputs of the method's shapes on which its delegates are compared and timed.
-
-    Floats (and complex) are standard normals, flags (bool) fair coin flips (a flag indexes nothing: a mask's
-    selection has a size the data decides, refused at export). An integer input may be an index
-    into the engine's memory (a token id, a position, a class embedding's row), and the engine checks no index: an
-    out-of-range one reads, or through a scatter writes, past a buffer. So an integer input is drawn only from the
-    values the method's recorded bounds (`MethodDef.input_bounds`, checked before every call) allow, negatives
-    included where they do, and one without bounds is all zeros, the only value in range for any index (a dimension
-    of 1, e.g. a beam index at batch 1, rules out even 1). The limitation: an integer computation is compared on
-    varied values only where the program records bounds for its inputs (onecopy.llm's token ids and positions do);
-    elsewhere on zeros, so a wrong integer result there (e.g. a floor division that truncates toward zero, which
-    only negative values show) is not seen.
-    """
-    rng = np.random.default_rng(seed)
-    bounds = bounds or {}
-    out = []
-    for index, spec in enumerate(specs):
-        dtype = spec.dtype
-        if dtype.kind == "f":
-            out.append(rng.standard_normal(spec.shape).astype(dtype))
-        elif dtype.kind == "c":
-            out.append((rng.standard_normal(spec.shape) + 1j * rng.standard_normal(spec.shape)).astype(dtype))
-        elif dtype.kind == "b":
-            out.append(rng.integers(0, 2, spec.shape).astype(dtype))
-        elif dtype.kind in "iu" and _integer_range(dtype, bounds.get(index)) is not None:
-            low, high = _integer_range(dtype, bounds.get(index))
-            out.append(rng.integers(low, high, spec.shape, dtype=np.int64, endpoint=True).astype(dtype))
-        else:  # an integer input without bounds (see above)
-            out.append(np.zeros(spec.shape, dtype))
-    return out
-
-
-def _integer_range(dtype: np.dtype, bound: Sequence[int] | None) -> tuple[int, int] | None:
-    """[low, high] of the values to draw for an integer input: its recorded bounds, within its dtype (and int64's,
-    which draws them); None without bounds, or bounds that hold no value of the dtype."""
-    if bound is None or len(bound) != 2:
-        return None
-    info, wide = np.iinfo(dtype), np.iinfo(np.int64)
-    low, high = max(int(bound[0]), info.min, wide.min), min(int(bound[1]), info.max, wide.max)
-    return (low, high) if low <= high else None
-
-
-def _mirrored(arrays: Sequence[np.ndarray], specs: Sequence[TensorMeta],
-              bounds: Mapping[int, Sequence[int]] | None = None) -> list[np.ndarray]:
-    """A second draw that shows sign-dependent results (floor division, remainder, rounding): floats negated, flags
-    flipped, and each integer negated where its negation is within the input's recorded bounds (kept where not;
-    zeros stay zeros), so every magnitude a bounded integer was drawn at runs with both signs the bounds allow."""
-    bounds = bounds or {}
-    out = []
-    for index, (array, spec) in enumerate(zip(arrays, specs)):
-        kind = spec.dtype.kind
-        if kind in "fc":
-            out.append(-array)
-        elif kind == "b":
-            out.append(~array)
-        elif kind in "iu" and (found := _integer_range(spec.dtype, bounds.get(index))) is not None:
-            low, high = found
-            wide = array.astype(np.int64)
-            negated = -wide  # in int64: the drawn values are within it, and so are their negations but -2**63's
-            inside = (wide != np.iinfo(np.int64).min) & (negated >= low) & (negated <= high)
-            out.append(np.where(inside, negated, wide).astype(spec.dtype))
-        else:
-            out.append(array)
-    return out
-
-
 TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2}  # of the reference outputs' scale
-
-
-def _difference(got: Any, want: np.ndarray, tolerance: float, reference: str) -> str | None:
-    """How `got` differs from `reference`'s `want`, or None where it agrees: the same shape and dtype, and the
-    same values, exactly for integers and flags (an index or a count off by one is wrong, whatever the outputs'
-    scale; a flag or index computed from floats, like x > 0 or argmax, may flip on a near tie: that keeps the
-    reference, never a wrong result), within `tolerance` of the outputs' scale for floats."""
-    got = np.asarray(got)
-    if got.shape != want.shape:
-        return f"has shape {list(got.shape)}, {reference}'s {list(want.shape)}"
-    if got.dtype != want.dtype:
-        return f"is {got.dtype}, {reference}'s {want.dtype}"
-    if want.dtype.kind in "biu":
-        wrong = int(np.count_nonzero(got != want))
-        return (f"differs from {reference}'s in {wrong} of {want.size} elements (integers must be equal)"
-                if wrong else None)
-    if not want.size:
-        return None
-    wide = np.complex128 if want.dtype.kind == "c" else np.float64
-    e, g = want.astype(wide), got.astype(wide)
-    scale = float(np.max(np.abs(e)))
-    err = float(np.max(np.abs(g - e)))
-    if not err <= tolerance * max(scale, 1.0):  # NaN included
-        return f"differs from {reference}'s by {err:.2e} (scale {scale:.2e})"
-    return None
 
 
 def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]]], reference: str,
@@ -225,13 +133,13 @@ def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]
                    bounds: Mapping[int, Sequence[int]] | None = None) -> tuple[dict[str, float], dict[str, str]]:
     """Median latency (ms) of each run (a method loaded with one candidate, called as users call it), run
     interleaved on the same random inputs after a warm-up call, for about TIMING_BUDGET_S; and, for each run but
-    `reference`, why it is not kept: on the random inputs or on their mirror (`_mirrored`), an output differs from
+    `reference`, why it is not kept: on the random inputs or on their mirror (`agreement.mirrored`), an output differs from
     the reference's in shape, dtype or values (integers and flags exactly, floats beyond the precision's
-    tolerance). `bounds`: the method's input bounds, which the integer inputs are drawn within (`_random_inputs`)."""
+    tolerance). `bounds`: the method's input bounds, which the integer inputs are drawn within (`agreement.random_inputs`)."""
     global _timed
     _timed += 1
-    arrays = _random_inputs(inputs, bounds=bounds)
-    draws = [arrays, _mirrored(arrays, inputs, bounds)]
+    arrays = random_inputs(inputs, bounds=bounds)
+    draws = [arrays, mirrored(arrays, inputs, bounds)]
     expected = [[np.array(a) for a in runs[reference](draw)] for draw in draws]  # copies, whatever a run reuses
     rejected = {}
     for name, run in runs.items():
@@ -239,7 +147,7 @@ def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]
             continue
         for draw, (given, want) in enumerate(zip(draws, expected)):
             found = [(i, why) for i, (g, e) in enumerate(zip(run(given), want))
-                     if (why := _difference(g, e, TOLERANCES[precision], reference)) is not None]
+                     if (why := difference(g, e, TOLERANCES[precision], reference)) is not None]
             if found:
                 i, why = found[0]
                 rejected[name] = f"output {i} {why}" + (" on the mirrored inputs" if draw else "")
@@ -301,7 +209,7 @@ def choose_and_load(definition: MethodDef, meta: MethodMeta, program: ProgramDef
             before = memory_mb()
             method, handles = load(candidate, None)
             loaded[candidate] = (method, handles)
-            method.execute(_random_inputs(meta.inputs, bounds=bounds))  # its first call's allocations count
+            method.execute(random_inputs(meta.inputs, bounds=bounds))  # its first call's allocations count
             after = memory_mb()
             memory[backends[candidate]] = {k: round(after[k] - before[k], 1) for k in after if k in before}
         latency, rejected = time_delegates(

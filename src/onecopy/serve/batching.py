@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from onecopy.runtime.agreement import difference, random_array
 from onecopy.runtime.method_meta import MethodMeta
 
 __all__ = ["batch_refusal", "batch_dim_range", "joined_call_differs", "Group", "group_requests", "split_outputs"]
@@ -45,15 +46,16 @@ def batch_dim_range(meta: MethodMeta, symbols: Mapping[str, Sequence[int | None]
 
 def joined_call_differs(run: Callable[[list[np.ndarray]], Sequence[np.ndarray]], meta: MethodMeta,
                         symbols: Mapping[str, Sequence[int | None]], dim_range: tuple[int, int | None], *,
-                        tolerance: float = 1e-4, seed: int = 0) -> str | None:
+                        tolerance: float = 1e-4, seed: int = 0,
+                        bounds: Mapping[int, Sequence[int]] | None = None) -> str | None:
     """None when two requests of random rows joined into one call of `run` (the method) get each what it gets
     alone; else why not (one phrase, for logs and `GET /`). Three calls: the joined one and each request alone.
 
     Requests of a and a + 1 rows (a: the batch dimension's minimum, at least 1; a + 1 only if both fit its maximum
-    together), floats standard normal, integers 0 or 1 (in range as indices), booleans random; each other
-    dynamic dimension 2 (within its range). Floats may differ by `tolerance` of the outputs' scale (at least 1):
-    another batch size may round differently; integers and booleans must be equal. A call that fails counts as a
-    difference: the method was not shown to give each request what it would alone."""
+    together), their values drawn as onecopy.runtime.agreement says (integers within `bounds`, the method's
+    recorded input bounds, zeros without); each other dynamic dimension 2 (within its range). Outputs must agree
+    as there (floats within `tolerance` of the outputs' scale: another batch size may round differently). A call
+    that fails counts as a difference: the method was not shown to give each request what it would alone."""
     low, high = dim_range
     first = max(low, 1)
     if high is not None and 2 * first > high:
@@ -72,7 +74,7 @@ def joined_call_differs(run: Callable[[list[np.ndarray]], Sequence[np.ndarray]],
             shape = tensor.shape_for({**sizes, batch: count})
             if shape is None:
                 return f"its check of joined requests could not size input {i} {list(tensor.shape)}"
-            arrays.append(_random(rng, shape, tensor.dtype))
+            arrays.append(random_array(rng, shape, tensor.dtype, (bounds or {}).get(i)))
         requests.append(arrays)
     joined = [np.concatenate([r[i] for r in requests]) for i in range(len(meta.inputs))]
     try:
@@ -83,44 +85,11 @@ def joined_call_differs(run: Callable[[list[np.ndarray]], Sequence[np.ndarray]],
                 f"{type(e).__name__}: {str(e)[:200]}")
     for k, (mine, theirs) in enumerate(zip(together, alone)):
         for i, (got, want) in enumerate(zip(mine, theirs)):
-            why = _differs(got, want, tolerance)
+            why = difference(got, want, tolerance, "the lone call")
             if why is not None:
                 return (f"its rows depend on each other: two requests of {rows[0]} and {rows[1]} random rows "
                         f"joined into one call did not each get what it gets alone (request {k}'s output {i}: {why})")
     return None
-
-
-def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    if dtype.kind == "b":
-        return rng.integers(0, 2, shape).astype(bool)
-    if dtype.kind in "iu":
-        return rng.integers(0, 2, shape).astype(dtype)  # small, non-negative: valid as indices and positions
-    return np.zeros(shape, dtype)
-
-
-def _differs(got: np.ndarray, want: np.ndarray, tolerance: float) -> str | None:
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"{got.dtype}{list(got.shape)} joined, {want.dtype}{list(want.shape)} alone"
-    if got.size == 0:
-        return None
-    if want.dtype.kind not in "fc":
-        wrong = int(np.count_nonzero(got != want))
-        return f"{wrong} of {want.size} values unequal" if wrong else None
-    wide = np.complex128 if want.dtype.kind == "c" else np.float64
-    g, w = got.astype(wide), want.astype(wide)
-    nan = np.isnan(w)
-    if not np.array_equal(np.isnan(g), nan):
-        return "NaN in different places"
-    g, w = np.where(nan, 0, g), np.where(nan, 0, w)
-    infinite = np.isinf(w)
-    if not np.array_equal(g[infinite], w[infinite]):
-        return "infinities in different places"
-    g, w = np.where(infinite, 0, g), np.where(infinite, 0, w)
-    scale = float(np.max(np.abs(w)))
-    error = float(np.max(np.abs(g - w)))
-    return None if error <= tolerance * max(scale, 1.0) else f"{error:.2e} away, where alone its largest is {scale:.2e}"
 
 
 class Group:

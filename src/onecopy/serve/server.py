@@ -185,10 +185,11 @@ class ProgramServer:
             # what they got alone (measured now; the shapes cannot say whether a method's rows mix).
             self.not_batched: dict[str, str] = dict(config.not_batched)
             tolerance = TOLERANCES.get(getattr(self.program, "precision", "fp32"), max(TOLERANCES.values()))
+            bounds = {m.name: m.input_bounds for m in self.program.definition.methods}
             for name in config.batched:
                 method = self.methods[name]
                 why = joined_call_differs(method.execute, method.method_meta, self._symbols(name), self._ranges[name],
-                                          tolerance=tolerance)
+                                          tolerance=tolerance, bounds=bounds.get(name))
                 if why is not None:
                     self.not_batched[name] = why
                     log.warning("serve: method '%s' of %s is not batched: %s; each request runs alone",
