@@ -18,8 +18,8 @@ class FakeModel:
         self.made.append(twin)
         return twin
 
-    def function(self, name: str, *, outputs_in_place: bool = False):
-        return (self, name, outputs_in_place)
+    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes=()):
+        return (self, name, outputs_in_place, tuple(result_dtypes))
 
     def close(self) -> None:
         self.closed.append(self)
@@ -34,10 +34,10 @@ def models():
 
 def test_each_function_runs_on_the_model_of_its_executor(models):
     models_set, first, _, made = models
-    assert models_set.function("b8") == (first, "b8", False)
+    assert models_set.function("b8") == (first, "b8", False, ())
     assert made == []  # nothing asked for the other executor yet: no second model
-    model, name, in_place = models_set.function("b1", outputs_in_place=True)
-    assert model.driver == "local-sync" and (name, in_place) == ("b1", True) and made == [model]
+    model, name, in_place, dtypes = models_set.function("b1", outputs_in_place=True, result_dtypes=["uint8"])
+    assert model.driver == "local-sync" and (name, in_place, dtypes) == ("b1", True, ("uint8",)) and made == [model]
     assert models_set.model_for("other") is first  # a function with no choice of its own runs on the first
     assert models_set.load_state == "specialized"
 
