@@ -186,9 +186,7 @@ def _method_problems(method: MethodDef, delegate_defs: list[DelegateDef],
                 yield Problem(f"{where}, field output_dtypes", f"{len(ins.output_dtypes)} dtypes for "
                                                                f"{len(ins.outputs)} outputs")
             for k, dtype in enumerate(ins.output_dtypes):
-                if dtype not in DTYPES:
-                    yield Problem(f"{where}, field output_dtypes[{k}]",
-                                  f"'{dtype[:40]}' is not a dtype onecopy runs ({', '.join(sorted(DTYPES))})")
+                yield from _dtype_problems(dtype, f"{where}, field output_dtypes[{k}]")
             reads = []
             for field, args in (("args", list(enumerate(ins.args))), ("kwargs", list(ins.kwargs.items()))):
                 for key, arg in args:
@@ -268,10 +266,13 @@ def _state_problems(definition: ProgramDef, segments: Mapping[str, SegmentDef]) 
                 yield Problem(f"{at}, field input_bounds[{position}]", f"{bounds} is not [min, max]")
 
 
+def _dtype_problems(dtype: str, where: str) -> Iterator[Problem]:
+    if dtype not in DTYPES:
+        yield Problem(where, f"'{dtype[:40]}' is not a dtype onecopy runs ({', '.join(sorted(DTYPES))})")
+
+
 def _spec_problems(spec: TensorSpec, where: str) -> Iterator[Problem]:
-    if spec.dtype not in DTYPES:
-        yield Problem(f"{where}, field dtype",
-                      f"'{spec.dtype[:40]}' is not a dtype onecopy runs ({', '.join(sorted(DTYPES))})")
+    yield from _dtype_problems(spec.dtype, f"{where}, field dtype")
     for axis, d in enumerate(spec.shape):
         if isinstance(d, int) and d < 0:
             yield Problem(f"{where}, field shape[{axis}]", f"{d} is negative")

@@ -30,7 +30,11 @@ import numpy as np
 
 from onecopy.runtime.method_meta import TensorMeta
 
-__all__ = ["difference", "integer_range", "mirrored", "random_array", "random_inputs"]
+__all__ = ["TOLERANCES", "difference", "integer_range", "mirrored", "random_array", "random_inputs"]
+
+# A float output's tolerance per compute precision, of the reference outputs' scale (bf16: both runs compute on
+# bf16 inputs and round differently).
+TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2}
 
 
 def integer_range(dtype: np.dtype, bound: Sequence[int] | None) -> tuple[int, int] | None:

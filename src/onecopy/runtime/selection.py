@@ -32,8 +32,8 @@ import numpy as np
 
 from onecopy.errors import ProgramFormatError
 from onecopy.program import DelegateCall, MethodDef, ProgramDef
+from onecopy.runtime.agreement import TOLERANCES, difference, mirrored, random_inputs
 from onecopy.runtime.backend import DelegateHandle, delegate_summary, get_backend
-from onecopy.runtime.agreement import difference, mirrored, random_inputs
 from onecopy.runtime.method_meta import Choice, MethodMeta, TensorMeta
 
 __all__ = ["PREFERENCES", "Choice", "choice_key", "read_choice", "write_choice", "time_delegates", "memory_mb",
@@ -123,9 +123,6 @@ def memory_mb() -> dict[str, float]:
     except OSError:
         pass
     return found
-
-
-TOLERANCES = {"fp32": 1e-4, "bf16": 3e-2}  # of the reference outputs' scale
 
 
 def time_delegates(runs: dict[str, Callable[[list[np.ndarray]], list[np.ndarray]]], reference: str,

@@ -26,8 +26,8 @@ from onecopy.errors import (
 )
 from onecopy.delegate.manifest import BACKEND as IREE_BACKEND, parse_manifest
 from onecopy.runtime import Runtime
+from onecopy.runtime.agreement import TOLERANCES
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta
-from onecopy.runtime.selection import TOLERANCES
 from onecopy.serve.batching import (
     Group,
     batch_dim_range,
