@@ -166,3 +166,26 @@ def test_unsigned_and_bool_results_come_back_as_torch_gives_them(packaging, plan
         (got,) = loaded.load_method("forward").execute([x])
     assert got.dtype == np.uint8
     np.testing.assert_array_equal(got, _UnsignedThenHost()(torch.from_numpy(x)).numpy())
+
+
+def test_unsigned_results_of_a_program_written_before_manifests_recorded_dtypes(tmp_path):
+    """A file whose manifests lack `output_dtypes` (written before they were recorded): a delegate that runs its
+    whole method reads its results as the method's recorded outputs."""
+    import msgspec
+
+    from onecopy import Runtime
+    from onecopy.export import export_program
+    from onecopy.program.file import ProgramFile
+
+    x = np.array([0.0, 1.0, 4.0, 5.0], np.float32)
+    model = _Unsigned()
+    program = export_program({"forward": torch.export.export(model, (torch.from_numpy(x),))})
+    delegates = [msgspec.structs.replace(d, manifest={k: v for k, v in d.manifest.items() if k != "output_dtypes"})
+                 for d in program.definition.delegates]
+    assert all("output_dtypes" in d.manifest for d in program.definition.delegates)
+    old = ProgramFile(msgspec.structs.replace(program.definition, delegates=delegates), program.data)
+    with Runtime(cache_dir=tmp_path).load_program(old.to_bytes()) as loaded:
+        got = loaded.load_method("forward").execute([x])
+    assert [g.dtype for g in got] == [np.uint8, np.bool_]
+    for g, w in zip(got, model(torch.from_numpy(x))):
+        np.testing.assert_array_equal(g, w.numpy())

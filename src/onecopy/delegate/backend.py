@@ -237,6 +237,20 @@ class IreeDelegate(DelegateHandle):
         return function is not None and bool(function.bindings)
 
 
+
+def _method_output_dtypes(context: InitContext, parsed: Manifest) -> list[str]:
+    """Each result's dtype for a manifest written before manifests recorded them (`Manifest.output_dtypes`): when
+    this delegate's call is its method's only instruction, its results are the method's outputs, whose dtypes the
+    method records. Without it such a program's uint8 and bool results came back as int8 (IREE's integer buffers
+    carry no sign). A partition's results feeding host ops have no record to read: they stay as the engine gives
+    them, as they always came back from such files."""
+    meta = context.method_meta()
+    if meta.instructions == (f"delegate_call {context.delegate_index}",) and len(meta.outputs) == len(
+            parsed.output_names):
+        return [t.dtype.name for t in meta.outputs]
+    return []
+
+
 class IreeBackend(Backend):
     name = "IreeBackend"
     options = {
@@ -313,7 +327,7 @@ class IreeBackend(Backend):
             release = model.close
         try:
             function = model.function(parsed.function, outputs_in_place=parsed.outputs_in_place,
-                                      result_dtypes=parsed.output_dtypes)
+                                      result_dtypes=parsed.output_dtypes or _method_output_dtypes(context, parsed))
         except BaseException:
             release()
             raise
