@@ -84,6 +84,47 @@ def test_a_cache_position_past_max_cache_len_or_a_token_past_the_vocabulary_is_a
             decode.execute([np.array([[128]], np.int64), np.array([3])])  # a token id past the vocabulary
 
 
+def test_a_generation_the_cache_cannot_hold_is_refused_before_any_token(llama_path):
+    """It was refused mid-stream, after tokens were yielded, by a method's bounds check naming its input 1."""
+    from onecopy.llm import generate
+
+    with Runtime().load_program(llama_path) as prog:
+        prompt = list(range(MAX_CACHE - 2))
+        assert len(list(generate(prog, prompt, 3))) == 3  # the last token generated is never fed: it fits
+        tokens = generate(prog, prompt, 4)
+        with pytest.raises(InvalidArgument, match=f"prompt of {MAX_CACHE - 2} tokens and 4 new tokens need "
+                                                  f"{MAX_CACHE + 1} cache positions, .* holds {MAX_CACHE} .*"
+                                                  "at most 3 new tokens"):
+            next(tokens)
+        with pytest.raises(InvalidArgument, match="shorten the prompt"):
+            next(generate(prog, list(range(MAX_CACHE + 1)), 1))
+        state = prog.create_state()
+        list(generate(prog, prompt[:20], 1, state=state))
+        with pytest.raises(InvalidArgument, match="after the 20 tokens the state holds.*at most 11 new tokens, "
+                                                  "start from a fresh state"):
+            next(generate(prog, [1, 2], 12, state=state))
+        assert int(state.read("cumulative_length_0")) == 20  # nothing ran
+
+
+@pytest.mark.parametrize(("prompt", "max_new_tokens", "message"), [
+    ([[5, 17, 99], [3, 42, 7]], 2, r"one prompt, \[T\] or \[1, T\] token ids, got shape \[2, 3\]"),
+    (np.array([5.7, 17.2]), 2, "must be token ids \\(integers\\), got float64"),
+    ([5, 128, 3], 2, r"prompt_ids\[1\] is 128, outside the vocabulary .* \(token ids 0..127\)"),
+    ([5, -1], 2, r"prompt_ids\[1\] is -1, outside the vocabulary"),
+    ([5, 17], 2.0, "max_new_tokens must be a whole number >= 0, got 2.0"),
+    ([5, 17], None, "max_new_tokens must be a whole number >= 0, got None"),
+], ids=["batch", "float-ids", "past-vocab", "negative-id", "float-count", "no-count"])
+def test_what_is_not_one_prompt_of_token_ids_is_refused(llama_path, prompt, max_new_tokens, message):
+    """A batch ran as one prompt of B*T tokens and float ids were truncated, silently; a count that is no
+    number failed with a raw TypeError."""
+    from onecopy.llm import generate
+
+    with Runtime().load_program(llama_path) as prog:
+        with pytest.raises(InvalidArgument, match=message):
+            next(generate(prog, prompt, max_new_tokens))
+        assert list(generate(prog, np.array([[5, 17, 99]], np.int32), 2)) == list(generate(prog, [5, 17, 99], 2))
+
+
 def test_sampling_is_reproducible_with_a_seed(llama_path):
     from onecopy.llm import generate
 

@@ -184,6 +184,38 @@ def _pick(logits: np.ndarray, temperature: float | None, top_k: int | None, rng:
     return int(rng.choice(p.size, p=p))
 
 
+def _check_fits(program: Any, decode: str, position: int, prompt: np.ndarray, max_new_tokens: int) -> None:
+    """Refuse, before anything runs, a prompt with a token id outside the vocabulary, or a generation the cache
+    cannot hold: otherwise the call that reaches it is refused (mid-stream, after tokens were yielded) naming a
+    method's input rather than the prompt and max_new_tokens. The bounds are those `export_llm` gives decode's
+    inputs: token ids [0, vocab), positions [0, max_cache_len); the last token generated is never fed back."""
+    definition = next((m for m in program.definition.methods if m.name == decode), None)
+    bounds = definition.input_bounds if definition is not None else {}
+    if 0 in bounds:
+        low, high = (int(b) for b in bounds[0])
+        outside = np.flatnonzero((prompt < low) | (prompt > high))
+        if outside.size:
+            at = int(outside[0])
+            raise InvalidArgument(f"prompt_ids[{at}] is {int(prompt[at])}, outside the vocabulary of program "
+                                  f"'{program.source}' (token ids {low}..{high}).")
+    if 1 not in bounds:  # not exported by export_llm: the engine's own checks are all there is
+        return
+    capacity = int(bounds[1][1]) + 1
+    needed = position + prompt.size + max(max_new_tokens - 1, 0)
+    if needed <= capacity:
+        return
+    start = f" (after the {position} tokens the state holds)" if position else ""
+    if position + prompt.size > capacity:
+        fix = "shorten the prompt"
+    else:
+        fix = f"ask for at most {capacity - position - prompt.size + 1} new tokens"
+    fresh = ", start from a fresh state" if position else ""
+    raise InvalidArgument(
+        f"The prompt of {prompt.size} tokens{start} and {max_new_tokens} new tokens need {needed} cache "
+        f"positions, but program '{program.source}' holds {capacity} (its max_cache_len): {fix}{fresh}, or export "
+        "with a larger max_cache_len.")
+
+
 def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, *,
              state: Any = None, temperature: float | None = None, top_k: int | None = None,
              seed: int | None = None) -> Iterator[int]:
@@ -192,17 +224,27 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
     Greedy by default; `temperature` (> 0) samples, from the `top_k` most likely tokens when given, with `seed`.
     `state`: a State to continue (its cache already holds a prompt, e.g. a `State.copy()` fork): `prompt_ids` are
     appended after what it holds. None: a fresh state. A program path is loaded for the generation.
+    `prompt_ids`: one prompt, [T] or [1, T] integer token ids. A token id outside the vocabulary, or a prompt and
+    `max_new_tokens` the cache cannot hold, are refused before anything runs.
     """
     from onecopy.runtime import Program, Runtime
 
-    if max_new_tokens < 0:
-        raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if temperature is not None and not temperature >= 0:  # NaN too
         raise InvalidArgument(f"temperature must be > 0 to sample (0 or None: greedy), got {temperature}.")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
         raise InvalidArgument(f"top_k must be a whole number >= 1 (the most likely tokens sampled from; None: all "
                               f"of them), got {top_k!r}.")
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    # Converted as given, then checked: a cast to int64 would truncate float ids silently, and reshape(-1) would
+    # run a batch of prompts ([B, T]) as one prompt of B*T tokens.
+    given = np.asarray(prompt_ids)
+    if given.size and given.dtype.kind not in "iu":
+        raise InvalidArgument(f"prompt_ids must be token ids (integers), got {given.dtype} values.")
+    if given.ndim > 2 or given.ndim == 2 and given.shape[0] != 1:
+        raise InvalidArgument(f"prompt_ids must be one prompt, [T] or [1, T] token ids, got shape {list(given.shape)}; "
+                              "generate runs one sequence: call it once per prompt (each with its own state).")
+    prompt = given.astype(np.int64).reshape(-1)
     if prompt.size == 0:
         raise InvalidArgument("prompt_ids is empty; give at least one token.")
     owned = None
@@ -220,6 +262,7 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
         chunk = int(prefill.method_meta.inputs[0].shape[1])
         state = state if state is not None else program.create_state()
         position = int(state.read(_POSITION_STATE)) if _POSITION_STATE in state.names() else 0
+        _check_fits(program, decode.name, position, prompt, max_new_tokens)
         rng = np.random.default_rng(seed)
         logits = None
         i = 0

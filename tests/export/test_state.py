@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from onecopy import ExportError
+from onecopy import ExportError, Runtime
 from onecopy.export import CompileSpec, Partitioner, export_program
 from tests.conftest import Accumulator, accumulator_methods
 
@@ -96,3 +97,68 @@ def test_partitioner_share_state_must_be_bool():
 
     with pytest.raises(InvalidArgument, match="share_state expects bool, got int"):
         Partitioner(share_state=1)
+
+
+class CountsUp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.zeros(4))
+
+    def forward(self, x):
+        self.scale.add_(1.0)
+        return x * self.scale
+
+
+class Scales(torch.nn.Module):
+    """Another model with a buffer of the same name, only read: its own constant, not CountsUp's state."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full(shape, 3.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("shape", [(4,), (1,)], ids=["same-shape", "other-shape"])
+def test_a_buffer_of_another_module_named_as_a_state_is_not_read_as_that_state(shape):
+    x = torch.ones(4)
+    methods = {"count": torch.export.export(CountsUp(), (x,)), "scale": torch.export.export(Scales(shape), (x,))}
+    # Unchecked, 'scale' read CountsUp's state (1.0 after one count) instead of its own 3.0: a wrong answer.
+    with pytest.raises(ExportError, match="Method 'scale' reads buffer 'scale', which method 'count' updates .* "
+                                          "Partitioner\\(share_state=False\\)"):
+        export_program(methods, compile_spec=CompileSpec(packaging="mlir"))
+    program = export_program(methods, compile_spec=CompileSpec(packaging="mlir"),
+                             partitioner={"count": Partitioner(), "scale": Partitioner(share_state=False)})
+    with Runtime().load_program(program.to_bytes()) as prog:
+        prog.load_method("count").execute([np.ones(4, np.float32)])
+        (got,) = prog.load_method("scale").execute([np.ones(4, np.float32)])
+        np.testing.assert_array_equal(got, np.full(4, 3.0, np.float32))
+
+
+class Peeks(torch.nn.Module):
+    def __init__(self, counter: CountsUp) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def forward(self, x):
+        return x * self.counter.scale
+
+
+def test_a_method_reading_a_state_of_the_same_module_reads_it_as_updated():
+    class Both(torch.nn.Module):
+        def __init__(self, counter: CountsUp) -> None:
+            super().__init__()
+            self.counter = counter
+
+        def forward(self, x):
+            return self.counter(x)
+
+    counter, x = CountsUp(), torch.ones(4)
+    methods = {"count": torch.export.export(Both(counter), (x,)),
+               "peek": torch.export.export(Peeks(counter), (x,))}
+    with Runtime().load_program(export_program(methods, compile_spec=CompileSpec(packaging="mlir")).to_bytes()) as prog:
+        for _ in range(2):
+            prog.load_method("count").execute([np.ones(4, np.float32)])
+        (got,) = prog.load_method("peek").execute([np.ones(4, np.float32)])
+        np.testing.assert_array_equal(got, np.full(4, 2.0, np.float32))

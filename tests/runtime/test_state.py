@@ -113,6 +113,21 @@ def test_copy_forks_after_a_shared_prompt(prog, rng):
     assert not np.allclose(b, c)
 
 
+def test_copy_module_copies_fork_and_pickle_is_refused_clearly(prog, rng):
+    """`copy.copy(state)` gave a second object over the same engine storage: its calls updated the original."""
+    import pickle
+
+    decode = prog.load_method("decode")
+    state = prog.create_state()
+    decode.execute([rows(rng, 1), np.array([0])], state=state)
+    for fork in (copy.copy(state), copy.deepcopy(state)):
+        assert fork is not state and int(fork.read("steps")) == 1
+        decode.execute([rows(rng, 1), np.array([1])], state=fork)
+        assert int(fork.read("steps")) == 2 and int(state.read("steps")) == 1
+    with pytest.raises(InvalidArgument, match="cannot be pickled.*state.save\\(path\\).*program.load_state"):
+        pickle.dumps(state)
+
+
 def test_save_and_load_round_trip(prog, rng, tmp_path):
     prefill, decode = prog.load_method("prefill"), prog.load_method("decode")
     state = prog.create_state()
@@ -141,6 +156,11 @@ def test_load_refuses_a_file_of_other_states(prog, tmp_path):
         prog.load_state(bad)
     with pytest.raises(InvalidArgument, match="does not exist"):
         prog.load_state(tmp_path / "missing.npz")
+    np.save(tmp_path / "array.npy", np.zeros(3, np.float32))  # np.load gives an array, not an archive
+    (tmp_path / "junk.npz").write_bytes(b"not an archive")  # np.load tries pickle and hints at unpickling it
+    for path in (tmp_path / "array.npy", tmp_path / "junk.npz"):
+        with pytest.raises(InvalidArgument, match="is not a state saved by State.save: it is not the .npz archive"):
+            prog.load_state(path)
 
 
 def test_a_state_of_another_program_is_refused(stateful_program, prog, rng):

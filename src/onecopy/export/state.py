@@ -126,6 +126,25 @@ def collect_states(methods: Mapping[str, ExportedProgram], share: Mapping[str, b
         uses = states.by_method.setdefault(method, {})
         for spec in ep.graph_signature.input_specs:
             if spec.kind == InputKind.BUFFER and spec.target in first and spec.target not in uses:
+                # A buffer of that name in another module (two models in one program, both with a `scale`)
+                # would silently read the other's state instead of its own value: the reader must hold the
+                # state's own buffer, as two methods updating one must (compared as those are, above).
+                other, known = first[spec.target]
+                tensor = _buffer_tensor(ep, spec.target).detach()
+                if tuple(known.shape) != tuple(tensor.shape) or known.dtype != tensor.dtype:
+                    differs = (f"{list(tensor.shape)} {tensor.dtype}, the state {list(known.shape)} "
+                               f"{known.dtype}")
+                elif not torch.equal(known, tensor):
+                    differs = "other values than the state starts from"
+                else:
+                    differs = None
+                if differs is not None:
+                    raise ExportError(
+                        f"Method '{method}' reads buffer '{spec.target}', which method '{other}' updates (shared "
+                        f"state '{spec.target}'), but its buffer is not that state's ({differs}): it would read "
+                        f"the state instead of its own value. Export both from one module instance to share it, "
+                        f"or give '{method}' Partitioner(share_state=False) to keep its own buffer."
+                    )
                 uses[spec.target] = spec.target
         if not uses:
             del states.by_method[method]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+import zipfile
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -138,6 +139,21 @@ class State:
             fork._pending = self._values()
             return fork
 
+    # `copy.copy(s)` would otherwise give a second object over the same engine storage (its dicts shared), whose
+    # calls update `s` too: a fork that is none. Both copies fork, as `copy()` does.
+    def __copy__(self) -> State:
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> State:
+        return self.copy()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The values live in the engine (a VM context): pickle would fail on a memoryview deep inside instead.
+        raise InvalidArgument(
+            f"A State of program '{self._program.source}' cannot be pickled: its values are held by the engine. "
+            "Write them with state.save(path) and read them back with program.load_state(path)."
+        )
+
     def _values(self) -> dict[str, np.ndarray]:
         """Copies of every state: one engine read per module holding some."""
         values: dict[str, np.ndarray] = {}
@@ -162,6 +178,10 @@ class State:
     def _load(self, path: str | os.PathLike[str]) -> None:
         where = str(path)
         try:
+            # np.load reads anything else as one array (.npy: no context manager, a raw TypeError below) or
+            # tries pickle (refused, with a hint to unpickle the file): say what the file is not instead.
+            if Path(path).is_file() and not zipfile.is_zipfile(path):
+                raise ValueError("it is not the .npz archive State.save writes")
             with np.load(path, allow_pickle=False) as data:
                 names = [str(n) for n in data["__names__"]]
                 values = {name: data[f"s{i}"] for i, name in enumerate(names)}
