@@ -307,3 +307,35 @@ def test_a_size_the_data_decides_is_refused_at_export_naming_the_op():
     with pytest.raises(ExportError, match=r"Method 'forward': 'nonzero' \(nonzero.default\) has a size that depends "
                                           r"on the data \(\[u\d+, 1\]\).*torch.where\(mask, x, 0\)"):
         export_program({"forward": ep})
+
+
+class ScaledBySum(torch.nn.Module):
+    def forward(self, x):
+        return x * (x.sum() + 1.0).item()
+
+
+@pytest.mark.parametrize("skip_ops", [(), ("aten.sum.default",)])
+def test_a_scalar_read_from_the_data_is_computed_where_its_tensor_is(skip_ops, rng):
+    """`t.item()` of a tensor the method computes is a SymFloat node, which a partition recomputes as it does a
+    size: it was copied ahead of the tensor it reads (KeyError: 'sum_1'), and its range [-oo, oo] failed
+    int() (TypeError). On the host (a graph break) its tensor is the partition's input."""
+    ep = torch.export.export(ScaledBySum(), (torch.ones(4),))
+    program = export_program({"forward": ep}, partitioner=Partitioner(skip_ops=skip_ops))
+    x = rng.standard_normal(4, dtype=np.float32)
+    (got,) = run_all(program.to_bytes(), {"forward": [x]})["forward"]
+    np.testing.assert_allclose(got, eager(ScaledBySum(), x)[0], rtol=1e-5, atol=1e-6)
+
+
+class ReturnsItsLength(torch.nn.Module):
+    def forward(self, x):
+        return x + 1, x.shape[0]
+
+
+def test_a_number_returned_as_an_output_is_refused_naming_it():
+    """A SymInt output (x.shape[0] of a dynamic dimension) failed as "node 'sym_size_int_1' is used before it is
+    computed"."""
+    ep = torch.export.export(ReturnsItsLength(), (torch.zeros(3, 4),),
+                             dynamic_shapes=({0: torch.export.Dim("T")},))
+    with pytest.raises(ExportError, match=r"Method 'forward': output 1 is a number \(T\), not a tensor; a method "
+                                          r"returns tensors only. Return it as a tensor"):
+        export_program({"forward": ep})

@@ -5,7 +5,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from onecopy.errors import InvalidArgument, OnecopyError, ProgramFormatError
+from onecopy.errors import ExportError, InvalidArgument, OnecopyError, ProgramFormatError
 from onecopy.program import (
     FORMAT_VERSION,
     MAGIC,
@@ -165,6 +165,9 @@ def test_missing_file_and_directory_are_clear(tmp_path):
         read_program(tmp_path)
     with pytest.raises(InvalidArgument, match="from a path or bytes"):
         read_program(42)
+    with pytest.raises(InvalidArgument, match=r"got ProgramFile. Save it first \(program.save\(path\)\) or pass "
+                                              r"program.to_bytes\(\)"):
+        read_program(tiny_program())
 
 
 def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
@@ -182,6 +185,39 @@ def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
         program.save(target)
     assert target.read_bytes() == b"previous"
     assert [p.name for p in tmp_path.iterdir()] == ["p.onecopy"]
+
+
+def test_saved_program_has_the_mode_of_a_new_file_or_of_the_file_it_replaces(tmp_path):
+    """The temporary file a save renames into place is made 0600: the program was readable by its owner alone
+    (a server running as another user could not load it), and a file saved over lost its mode."""
+    umask = os.umask(0o022)
+    try:
+        path = tiny_program().save(tmp_path / "p.onecopy")
+        assert os.stat(path).st_mode & 0o777 == 0o644
+        os.chmod(path, 0o640)
+        tiny_program().save(path)
+        assert os.stat(path).st_mode & 0o777 == 0o640
+    finally:
+        os.umask(umask)
+
+
+def test_weights_changed_in_place_after_they_were_added_are_refused_at_save(tmp_path):
+    """The store holds blobs by reference (an exported program: the model's own parameters). Changed in place
+    before the save (a training step, load_state_dict into the same model), they were written under the hash of
+    their old bytes: the file ran other weights than the exported ones, and verify called it corrupted."""
+    weights = np.arange(1000, dtype=np.float32)
+    store = NamedDataStore()
+    store.add("param/w", weights)
+    program = ProgramFile(tiny_program().definition, store)
+    target = tmp_path / "p.onecopy"
+    target.write_bytes(b"previous")
+    weights[3] = -1.0
+    with pytest.raises(ExportError, match=r"Named data 'param/w' changed after the program was made .* Save the "
+                                          r"program before changing the model, or export it again"):
+        program.save(target)
+    assert target.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["p.onecopy"]
+    with pytest.raises(ExportError, match="'param/w' changed"):
+        program.to_bytes()
 
 
 def test_save_refuses_a_directory_or_missing_parent(tmp_path):

@@ -409,3 +409,27 @@ def test_example_inputs_have_the_inputs_shapes_and_are_valid_as_indices(forward)
 ])
 def test_dim_value_reads_the_expressions_a_header_writes_without_evaluating_python(dim, want):
     assert dim_value(dim, {"T": 5, "S": 7}) == want
+
+
+class ReturnsTwice(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2.0
+        return y, y
+
+
+@pytest.mark.parametrize("memory_planned_outputs", [True, False])
+def test_a_value_returned_twice_fills_the_storage_given_for_each_output(tmp_path, memory_planned_outputs):
+    """`return y, y` is one value of the method: the storage given for its second output was neither written nor
+    handed back (the first output's array came back in its place), silently keeping what it held."""
+    ep = torch.export.export(ReturnsTwice(), (torch.zeros(3),))
+    program = export_program({"forward": ep}, memory_planned_outputs=memory_planned_outputs)
+    path = program.save(tmp_path / "twice.onecopy")
+    x = np.arange(3, dtype=np.float32)
+    with Runtime().load_program(path) as loaded:
+        forward = loaded.load_method("forward")
+        for _ in range(2):  # the first call and the calls that repeat its signature
+            first, second = np.full(3, -1, np.float32), torch.full((3,), -1.0)
+            results = forward.execute([x], outputs=[first, second])
+            np.testing.assert_array_equal(first, x * 2)
+            np.testing.assert_array_equal(second.numpy(), x * 2)
+            assert results[0] is first and np.shares_memory(results[1], second.numpy())

@@ -20,7 +20,7 @@ from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
 from onecopy.export.state import ProgramStates, StateBinding, guard_index_writes
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
-from onecopy.export.symbols import spec_dtype, symbol_names, symbol_ranges, tensor_spec
+from onecopy.export.symbols import rename_symbols, spec_dtype, symbol_names, symbol_ranges, tensor_spec
 from onecopy.program import ConstantDef, ConstArg, DelegateCall, HostOp, Instruction, MethodDef, TensorSpec, ValueArg
 
 __all__ = ["DelegatePartition", "MethodPlan", "host_can_take", "plan_method"]
@@ -228,8 +228,16 @@ def plan_method(
                     f"('{getattr(value, 'name', value)}'); update the buffer with an op (e.g. copy_, index_copy_)."
                 )
             continue
-        if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node):
-            raise ExportError(f"Method '{name}': output {spec.arg} is not a tensor the method computes; return tensors only.")
+        if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, fx.Node) or is_symbolic(value):
+            # What it is, in the user's terms: a constant (None, 3) or a number (x.shape[0], t.item(): a SymInt
+            # node), which failed later as "used before it is computed".
+            what = (f"{getattr(spec.arg, 'value', value)!r} (a constant)" if not isinstance(value, fx.Node)
+                    else f"a {spec.kind.name.lower()} ('{value.name}')" if spec.kind != OutputKind.USER_OUTPUT
+                    else f"a number ({rename_symbols(str(value.meta['val']), plan.names)})")
+            raise ExportError(
+                f"Method '{name}': output {len(outputs)} is {what}, not a tensor; a method returns tensors only. "
+                "Return it as a tensor (e.g. torch.tensor(...) or x.new_tensor(...)), or leave it out."
+            )
         outputs.append(plan.value(value))
         spec_ = tensor_spec(value, f"Method '{name}', output '{value.name}'", plan.names)
         output_specs.append(msgspec.structs.replace(spec_, memory_planned=memory_planned_outputs))

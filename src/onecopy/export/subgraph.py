@@ -100,10 +100,14 @@ def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any],
     for node in nodes:
         pull(node)
     members = set(symbolic) | set(nodes)
+    # In graph order, not the shape computations first: a scalar read from the data (`x.sum().item()`) is one
+    # too (a SymFloat), computed from a tensor of the cut itself.
+    position = {n: i for i, n in enumerate(nodes[0].graph.nodes)} if nodes else {}
+    body = sorted(members, key=position.__getitem__)
     weight_inputs: list[fx.Node] = []
     state_reads: list[fx.Node] = []
     activations: list[fx.Node] = []
-    for node in symbolic + list(nodes):
+    for node in body:
         for source in node.all_input_nodes:
             if source in members:
                 continue
@@ -122,7 +126,7 @@ def cut(nodes: Sequence[fx.Node], weights: Mapping[fx.Node, Any],
     for source in weight_inputs + state_reads + activations:
         env[source] = graph.placeholder(source.name)
         env[source].meta = dict(source.meta)
-    for node in symbolic + list(nodes):
+    for node in body:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in results))
     return Cut(fx.GraphModule(torch.nn.Module(), graph), weight_inputs, activations, results, state_reads)

@@ -84,6 +84,10 @@ def _dim_name(d: Any, symbol: sympy.Symbol) -> str | None:
 def symbol_ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     ranges = {}
     for symbol, vr in ep.range_constraints.items():
+        if not isinstance(vr.lower, sympy.Integer):
+            # A value read from the data (x.sum().item(): an unbacked float, or an int with no lower bound), not a
+            # size: no shape names it, and its -oo does not convert to an int.
+            continue
         # torch's unbounded upper end is `int_oo`, which claims `is_finite` and cannot be converted by int().
         upper = vr.upper
         ranges[str(symbol)] = (int(vr.lower), int(upper) if isinstance(upper, sympy.Integer) else None)

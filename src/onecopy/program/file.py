@@ -10,6 +10,7 @@ Saving is atomic (temp file, fsync, rename): a crash never leaves a half-written
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import struct
@@ -21,8 +22,8 @@ from typing import BinaryIO, Union
 
 import msgspec
 
-from onecopy.errors import InvalidArgument, OnecopyError, ProgramFormatError
-from onecopy.program.data_store import PAGE_SIZE, NamedData, NamedDataStore
+from onecopy.errors import ExportError, InvalidArgument, OnecopyError, ProgramFormatError
+from onecopy.program.data_store import PAGE_SIZE, Blob, NamedData, NamedDataStore
 from onecopy.program.schema import ProgramDef, SegmentDef
 from onecopy.program.validate import Problem, hash_problems, structure_problems
 
@@ -44,14 +45,14 @@ class ProgramFile:
         self.definition = definition
         self.data = data
 
-    def _layout(self) -> tuple[bytes, int, list[tuple[int, memoryview]]]:
+    def _layout(self) -> tuple[bytes, int, list[tuple[int, Blob]]]:
         offsets: dict[str, int] = {}
-        placed: list[tuple[int, memoryview]] = []
+        placed: list[tuple[int, Blob]] = []
         cursor = 0
         for blob in self.data.unique_blobs():
             cursor = _align(cursor, blob.alignment)
             offsets[blob.sha256] = cursor
-            placed.append((cursor, blob.data))
+            placed.append((cursor, blob))
             cursor += blob.data.nbytes
         segments = [
             SegmentDef(key=key, offset=offsets[blob.sha256], length=blob.data.nbytes, sha256=blob.sha256,
@@ -68,10 +69,24 @@ class ProgramFile:
         out.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), data_offset))
         out.write(header)
         position = _PREAMBLE.size + len(header)
-        for offset, view in placed:
+        for offset, blob in placed:
+            view = blob.data
             out.write(b"\0" * (data_offset + offset - position))
             out.write(view)
             position = data_offset + offset + view.nbytes
+            # The store holds its blobs by reference: an exported program's parameters are the model's own tensors.
+            # Changed in place since they were added (a training step, load_state_dict into the same model), they
+            # would be written under the hash of their old bytes: a file whose weights are not the exported ones,
+            # which verify calls corrupted and the specialization cache (keyed by those hashes) may mix up with
+            # the old weights' packed copy.
+            if hashlib.sha256(view).hexdigest() != blob.sha256:
+                keys = [key for key, b in self.data.items() if b is blob]
+                raise ExportError(
+                    f"Named data {', '.join(repr(k) for k in keys)} changed after the program was made (a program "
+                    "holds the model's weights by reference, not a copy: they were modified in place since "
+                    "export_program, e.g. by a training step or load_state_dict). Save the program before changing "
+                    "the model, or export it again."
+                )
         return position
 
     def to_bytes(self) -> bytes:
@@ -101,6 +116,16 @@ def write_atomically(path: Union[str, os.PathLike[str]], write: Callable[[Binary
         raise InvalidArgument(f"Cannot save {what} to '{target}': no file can be made in directory '{directory}' "
                               f"({e.strerror or e}); give a path in a writable directory.") from e
     try:
+        # mkstemp makes the file 0600: renamed into place as it is, a program saved for a server running as another
+        # user (or a file saved over) could be read by its owner alone. It gets the mode of the file it replaces,
+        # else the one a new file gets (0666 less the umask).
+        try:
+            mode = target.stat().st_mode & 0o7777
+        except OSError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
@@ -215,7 +240,10 @@ def _open(source: Source) -> tuple[memoryview, mmap.mmap | None, Path | None, st
             raise InvalidArgument(f"A program given as bytes must be one contiguous buffer: {e}.") from e
         return buffer, None, None, "<bytes>"
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidArgument(f"A program is loaded from a path or bytes, got {type(source).__name__}.")
+        # export_program's result is the ordinary thing to pass by mistake: say how to get one of the two.
+        hint = (" Save it first (program.save(path)) or pass program.to_bytes()."
+                if isinstance(source, ProgramFile) else "")
+        raise InvalidArgument(f"A program is loaded from a path or bytes, got {type(source).__name__}.{hint}")
     path = Path(source)
     where = str(path)
     try:

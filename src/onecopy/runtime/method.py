@@ -344,15 +344,22 @@ class Method:
     def _results(self, values: list[Any], storage: dict[int, np.ndarray], outputs: Sequence[Any] | None,
                  stats: CopyStats) -> list[np.ndarray]:
         results = []
+        gathered: set[int] = set()
         for vid, out in zip(self._definition.outputs, outputs or [None] * len(self._definition.outputs)):
             result = values[vid]
-            if out is not None and result is not storage.get(vid):
-                if result.shape != storage[vid].shape:  # copyto would broadcast a smaller result
-                    raise ExecutionError(f"Output {len(results)} of method '{self.name}' came out "
-                                         f"{list(result.shape)}; the storage given is {list(storage[vid].shape)}.")
-                np.copyto(storage[vid], result)
-                stats.copied_out += result.nbytes
-                result = storage[vid]
+            if out is not None:
+                # A value the method returns twice (`return y, y`) has one storage entry, the first given for it
+                # (`output_storage`): the storage given for its later outputs is filled here, by a copy.
+                target = (storage[vid] if vid not in gathered
+                          else as_array(out, f"Output {len(results)} of method '{self.name}'"))
+                gathered.add(vid)
+                if result is not target:
+                    if result.shape != target.shape:  # copyto would broadcast a smaller result
+                        raise ExecutionError(f"Output {len(results)} of method '{self.name}' came out "
+                                             f"{list(result.shape)}; the storage given is {list(target.shape)}.")
+                    np.copyto(target, result)
+                    stats.copied_out += result.nbytes
+                    result = target
             results.append(result)
         self._record(stats, log.isEnabledFor(DEBUG))
         return results
