@@ -147,6 +147,21 @@ def test_corrupted_entry_heals_with_a_warning(mf_program, tmp_path, states, capl
     assert np.isfinite(y).all()
 
 
+def test_a_cache_emptied_by_hand_while_the_process_runs_specializes_again(mf_program, tmp_path, states):
+    """`rm -rf $ONECOPY_CACHE_DIR/*` under a running process (a server): its cache instance outlives the folders,
+    and its next miss failed on the missing tmp/ with an error saying the program may be damaged."""
+    import shutil
+
+    load_all(mf_program, tmp_path)[0].close()
+    for path in tmp_path.iterdir():
+        shutil.rmtree(path)
+    program, methods = load_all(mf_program, tmp_path)
+    (y,) = methods[0].execute([np.ones((1, 64), np.float32)])
+    program.close()
+    assert states() == ["specialized", "restored", "specialized", "restored"]
+    assert np.isfinite(y).all() and _entry_module(tmp_path).exists()
+
+
 def test_weights_that_passed_a_full_check_are_not_rehashed_until_something_writes_them(
     mf_program, tmp_path, states, caplog, monkeypatch
 ):

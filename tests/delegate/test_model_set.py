@@ -18,7 +18,7 @@ class FakeModel:
         self.made.append(twin)
         return twin
 
-    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes=()):
+    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes=(), where=None):
         return (self, name, outputs_in_place, tuple(result_dtypes))
 
     def close(self) -> None:

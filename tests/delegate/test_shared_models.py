@@ -258,3 +258,19 @@ def test_load_run_close_cycles_from_several_threads_never_crash_the_process(mf_p
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-3000:]}"
     assert result.stdout.split() == ["ok", "60"]
+
+
+def test_an_engine_error_on_a_shared_model_names_the_method_that_called(mf_path):
+    """A shared model is loaded by the first delegate that asks for it; the errors of another method's calls
+    name that method and its delegate, not the one that happened to load the model (they named `forward`'s
+    delegate 0 for a failed call of `prefill_0`)."""
+    from onecopy.errors import ExecutionError
+    from onecopy.runtime.copy_stats import CopyStats
+
+    with Runtime().load_program(mf_path, backend_options=SHARE) as program:
+        forward, prefill = program.load_method("forward"), program.load_method("prefill")
+        assert forward._delegates[0].model is prefill._delegates[1].model  # one model, loaded for forward
+        call = prefill._delegates[1]._function.copied_call([np.ones((16, 64), np.float32)], 1)
+        with pytest.raises(ExecutionError) as caught:  # past the method's checks: the engine refuses the shape
+            call([np.ones((3, 64), np.float32)], CopyStats())
+    assert str(caught.value).startswith("Method 'prefill', delegate 1: the engine failed running 'prefill_0'")

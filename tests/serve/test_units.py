@@ -123,6 +123,28 @@ def test_npz_that_is_not_npz_or_holds_objects_is_refused():
         decode_inputs(npz(np.array([{"a": 1}], dtype=object)), NPZ, meta([1]).inputs, "POST /m", limit=1 << 20)
 
 
+def test_an_npz_member_that_is_not_an_array_is_a_bad_request():
+    """np.load returns a member that is not a whole .npy file as bytes; the method refused it as dtype |S5 (a
+    422 advising a cast) instead of the body being called what it is."""
+    import zipfile
+
+    for name, data in (("a.txt", b"hello"), ("arr_0.npy", b"junk")):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr(name, data)
+        with pytest.raises(RequestError, match=rf"POST /m: the npz member '{name.removesuffix('.npy')}' is not a "
+                                               r"\.npy array"):
+            decode_inputs(buffer.getvalue(), NPZ, meta([1]).inputs, "POST /m", limit=1 << 20)
+
+
+def test_json_nested_past_what_can_be_read_is_a_bad_request_not_a_replica_fault():
+    """Lists nested thousands deep made msgspec raise RecursionError: a 500 "the replica failed"."""
+    deep = b'{"inputs": [' + b"[" * 5000 + b"1" + b"]" * 5000 + b"]}"
+    with pytest.raises(RequestError, match=r"POST /m: the JSON nests deeper than it can be read") as caught:
+        decode_inputs(deep, JSON, meta([1]).inputs, "POST /m", limit=1 << 20)
+    assert http_status(caught.value) == 400
+
+
 def test_requests_over_the_limit_are_refused_declared_sent_or_unpacked():
     with pytest.raises(RequestTooLarge, match=r"POST /m: the request holds 2000 bytes, over this deployment's limit of 1000"):
         check_declared_length("2000", 1000, "POST /m")

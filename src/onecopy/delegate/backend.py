@@ -327,7 +327,8 @@ class IreeBackend(Backend):
             release = model.close
         try:
             function = model.function(parsed.function, outputs_in_place=parsed.outputs_in_place,
-                                      result_dtypes=parsed.output_dtypes or _method_output_dtypes(context, parsed))
+                                      result_dtypes=parsed.output_dtypes or _method_output_dtypes(context, parsed),
+                                      where=where)
         except BaseException:
             release()
             raise

@@ -89,6 +89,10 @@ class SpecializationCache:
             entry = restore_entry(self.layout, self.index, key)
             if entry is not None:
                 return entry, "restored"
+            # Its folders again: this instance lives as long as the process, and a user may have emptied the
+            # directory meanwhile (`rm -rf $ONECOPY_CACHE_DIR/*`), which failed the specialization on a missing
+            # tmp/ with an error that blamed the program. A few mkdirs, on a miss only.
+            self.layout.create()
             with self._locks.across_processes(key):
                 entry = restore_entry(self.layout, self.index, key)  # another process may have published it
                 if entry is not None:

@@ -163,6 +163,10 @@ def hal_device(driver: str, workers: int | None = None) -> Any:
         return device
 
 
+class ModelClosed(ExecutionError):
+    """A call needed a new VM context of a model that was closed meanwhile (its program closed during the call)."""
+
+
 class LoadedModel:
     """An engine module with its parameters on one device: immutable, shared by delegates and threads.
 
@@ -227,8 +231,14 @@ class LoadedModel:
     def _new_context(self) -> Any:
         import iree.runtime as ireert
 
+        modules = self._modules  # read once: `close` may empty it meanwhile
+        if not modules:
+            # Closed (its program's `close`) while a call was past the method's closed check, and the pool it
+            # found empty: a context without the modules would run a function whose module may already be
+            # freed (a segfault), or fail with IREE's NOT_FOUND. `EngineFunction.new_context` names the caller.
+            raise ModelClosed(f"{self.where}: the program was closed while this call ran; load the program again.")
         try:
-            context = ireert.VmContext(self._instance, modules=self._modules)
+            context = ireert.VmContext(self._instance, modules=modules)
         except (RuntimeError, ValueError) as e:
             if f"scopes like '{ENCODED_SCOPE}'" in str(e):  # IREE: "no provider registered that handles scopes like"
                 raise DelegateError(
@@ -245,7 +255,8 @@ class LoadedModel:
         return context
 
     def checkout(self) -> Any:
-        """A VM context for one call alone (made when none is free); give it back with `checkin`."""
+        """A VM context for one call alone (made when none is free); give it back with `checkin`. Raises
+        `ModelClosed` once the model is closed and no context is free."""
         try:
             return self._pool.pop()
         except IndexError:
@@ -255,14 +266,17 @@ class LoadedModel:
         self._pool.append(context)
 
     def function(self, name: str, *, outputs_in_place: bool = False,
-                 result_dtypes: Sequence[str] = ()) -> "EngineFunction":
+                 result_dtypes: Sequence[str] = (), where: str | None = None) -> "EngineFunction":
+        """Function `name` of this model; `where` names the delegate calling it in errors (None: the model's own
+        `where`, which for a shared model is the delegate that loaded it first, another method's)."""
+        where = where if where is not None else self.where
         vm_function = self.module.lookup_function(name)
         if vm_function is None:
             raise DelegateError(
-                f"{self.where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
+                f"{where}: the bundle has no function '{name}'; it has {', '.join(self.module.function_names)}. "
                 "Re-export the program."
             )
-        return EngineFunction(self, vm_function, name, outputs_in_place, result_dtypes)
+        return EngineFunction(self, vm_function, name, outputs_in_place, result_dtypes, where)
 
     def on(self, driver: str) -> "LoadedModel":
         """The same code, weights and packed weights on another executor's device (`driver`): a second module
@@ -341,11 +355,14 @@ class EngineFunction:
     """
 
     def __init__(self, model: LoadedModel, vm_function: Any, name: str, outputs_in_place: bool = False,
-                 result_dtypes: Sequence[str] = ()):
+                 result_dtypes: Sequence[str] = (), where: str | None = None):
         import iree.runtime as ireert
 
         self.rt = ireert
         self.model = model
+        # How errors name the delegate calling this function: its own, not the model's (a shared model's `where`
+        # is that of the delegate that loaded it first, which may be another method's).
+        self.where = where if where is not None else model.where
         self.name = name
         self._vm_function = vm_function
         self.outputs_in_place = outputs_in_place
@@ -358,6 +375,15 @@ class EngineFunction:
         self._usage = ireert.BufferUsage.DEFAULT | ireert.BufferUsage.MAPPING
         # base address -> binding; replaced (never mutated) so concurrent calls read a consistent table.
         self.bindings: dict[int, SurfaceBinding] = {}
+
+    def new_context(self) -> Any:
+        """A new VM context of the model, for a call that found none free; once the model is closed (its program
+        closed during the call), an ExecutionError naming this function's delegate."""
+        try:
+            return self.model._new_context()
+        except ModelClosed:
+            raise ExecutionError(f"{self.where}: the program was closed while this call of '{self.name}' ran; "
+                                 "load the program again.") from None
 
     def bind(self, binding: SurfaceBinding) -> None:
         self.bindings = {**self.bindings, binding.base_address: binding}
@@ -389,7 +415,7 @@ class EngineFunction:
         element_types = tuple(self._element_type(array.dtype) for array in inputs)
         bytes_in = sum(int(np.prod(array.shape, dtype=np.int64)) * array.dtype.itemsize for array in inputs)
         vm_function, engine_error = self._vm_function, self.engine_error
-        pool, checkout = model._pool, model.checkout
+        pool, new_context = model._pool, self.new_context
         take, give_back = pool.pop, pool.append
         variant_list, view_type = rt.VmVariantList, rt.HalBufferView
         dtypes, dtype_of = _dtypes, self._dtype
@@ -424,7 +450,7 @@ class EngineFunction:
                 try:
                     context = take()
                 except IndexError:
-                    context = checkout()  # none free: a new one
+                    context = new_context()  # none free: a new one
             else:
                 context = state.context
                 if context is None:
@@ -487,7 +513,7 @@ class EngineFunction:
         if element_type is None:
             element_type = self.rt.array_interop.map_dtype_to_element_type(dtype)
             if element_type is None:
-                raise ExecutionError(f"{self.model.where}: dtype {dtype} cannot be passed to the engine.")
+                raise ExecutionError(f"{self.where}: dtype {dtype} cannot be passed to the engine.")
             _element_types[dtype] = element_type
         return element_type
 
@@ -510,7 +536,7 @@ class EngineFunction:
         if "local memory" in str(e):  # a dispatch wants more than TASK_WORKER_LOCAL_MEMORY per worker
             hint = (" Give IREE's workers more local memory: set IREE_PY_RUNTIME_FLAGS="
                     "--task_worker_local_memory=<bytes> before the first load in this process.")
-        return ExecutionError(f"{self.model.where}: the engine failed running '{self.name}': {e}{hint}")
+        return ExecutionError(f"{self.where}: the engine failed running '{self.name}': {e}{hint}")
 
     def copy_out(self, view: Any, out: np.ndarray | None, stats: CopyStats, index: int | None = None) -> np.ndarray:
         """Result `index`'s engine buffer `view` into `out` (through its strides) or a new array; `index` names the
@@ -524,7 +550,7 @@ class EngineFunction:
         stats.copied_out += host.nbytes
         if out is not None:
             if out.shape != host.shape:  # copyto would broadcast a smaller result over the storage
-                raise ExecutionError(f"{self.model.where}: '{self.name}' returned {list(host.shape)}; the storage "
+                raise ExecutionError(f"{self.where}: '{self.name}' returned {list(host.shape)}; the storage "
                                      f"given for it is {list(out.shape)}.")
             np.copyto(out, host)  # through `out`'s strides: padded surface rows stay padded
             return out

@@ -72,7 +72,10 @@ def call_copied(function: EngineFunction, inputs: Sequence[np.ndarray], outputs:
     model = function.model
     pooled = context is None
     if pooled:
-        context = model.checkout()
+        try:
+            context = model._pool.pop()
+        except IndexError:
+            context = function.new_context()  # none free; names this function if the model closed meanwhile
     try:
         context.invoke(function.vm_function, args, results)
     except (RuntimeError, ValueError) as e:  # ValueError: IREE refused the call
@@ -148,7 +151,7 @@ class Invocation(Plan):
         if self._in_place:
             if any(out is None for out in outputs):
                 raise ExecutionError(
-                    f"{function.model.where}: function '{function.name}' writes its outputs in place and needs "
+                    f"{function.where}: function '{function.name}' writes its outputs in place and needs "
                     "storage for each; pass it with outputs=[...]."
                 )
             for i, (out, binding) in enumerate(zip(outputs, out_bindings)):
@@ -201,7 +204,7 @@ class Invocation(Plan):
         return frame_step(
             is_closed=report.closed.is_set, on_closed=report.on_closed, debug_enabled=log.isEnabledFor,
             debug_level=DEBUG, record=report.record, local=report.local, stats=self._constant,
-            outputs=tuple(self._outputs), pool=model._pool, new_context=model._new_context,
+            outputs=tuple(self._outputs), pool=model._pool, new_context=function.new_context,
             vm_function=self._vm_function, arguments=self._args, result_list=self._rt.VmVariantList,
             result_count=self._result_count, engine_error=function.engine_error, cores=self._lock_cores,
             modes=self._lock_modes, wait_locks=self._take_rest, wake=self._wake,
@@ -261,7 +264,7 @@ class Invocation(Plan):
             for i, view in staged:
                 function.copy_out(view, outputs[i], stats, i)
 
-        engine_step(model._pool, model._new_context, self._vm_function, args, results, self._lock_cores,
+        engine_step(model._pool, function.new_context, self._vm_function, args, results, self._lock_cores,
                     self._lock_modes, self._take_rest, self._wake, function.engine_error,
                     copy_staged if staged else None)
         if self._in_place:

@@ -44,9 +44,10 @@ class ModelSet:
                 model = self._models[driver] = self.first.on(driver)
             return model
 
-    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes: Sequence[str] = ()
-                 ) -> EngineFunction:
-        return self.model_for(name).function(name, outputs_in_place=outputs_in_place, result_dtypes=result_dtypes)
+    def function(self, name: str, *, outputs_in_place: bool = False, result_dtypes: Sequence[str] = (),
+                 where: str | None = None) -> EngineFunction:
+        return self.model_for(name).function(name, outputs_in_place=outputs_in_place, result_dtypes=result_dtypes,
+                                             where=where)
 
     @property
     def models(self) -> list[LoadedModel]:

@@ -98,13 +98,19 @@ def _decode_npz(body: bytes, where: str, limit: int) -> list[np.ndarray]:
             raise too_large(where, unpacked, limit)
         with np.load(io.BytesIO(body), allow_pickle=False) as npz:
             names = _input_order(list(npz.files))
-            return [npz[name] for name in names]
+            arrays = [npz[name] for name in names]
     except RequestTooLarge:
         raise
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
         raise RequestError(
             f"{where}: the body is not a readable npz of plain arrays ({e}); send np.savez(f, x0, x1, ...)."
         ) from e
+    for name, array in zip(names, arrays):
+        # np.load hands back a member that is not an .npy file (or not a whole one) as its raw bytes: the method
+        # then refused "dtype |S5", advising a cast, for what is not an array at all.
+        if not isinstance(array, np.ndarray):
+            raise RequestError(f"{where}: the npz member '{name}' is not a .npy array; send np.savez(f, x0, x1, ...).")
+    return arrays
 
 
 def _input_order(names: list[str]) -> list[str]:
@@ -118,6 +124,8 @@ def _input_order(names: list[str]) -> list[str]:
 def _decode_json(body: bytes, inputs: Sequence[TensorMeta], where: str) -> list[np.ndarray]:
     try:
         request = msgspec.json.decode(body, type=_JsonRequest)
+    except RecursionError:
+        raise _too_deep(where) from None
     except msgspec.ValidationError as e:
         raise RequestError(f"{where}: the JSON body is not {{\"inputs\": [...]}}: {e}.") from e
     except msgspec.DecodeError as e:
@@ -125,6 +133,11 @@ def _decode_json(body: bytes, inputs: Sequence[TensorMeta], where: str) -> list[
     if len(request.inputs) != len(inputs):
         raise RequestError(f"{where}: the request holds {len(request.inputs)} inputs; the method takes {len(inputs)}.")
     return [_json_array(raw, meta, f"{where}: input {i}") for i, (raw, meta) in enumerate(zip(request.inputs, inputs))]
+
+
+def _too_deep(where: str) -> RequestError:
+    return RequestError(f"{where}: the JSON nests deeper than it can be read; an input is a nested list with one "
+                        "level per dimension.")
 
 
 # Float values JSON numbers cannot carry: written as these strings in answers, taken as them in float inputs.
@@ -137,6 +150,8 @@ def _json_array(raw: msgspec.Raw, meta: TensorMeta, where: str) -> np.ndarray:
     except msgspec.ValidationError as e:  # a number literal beyond float64 (1e400): msgspec's only check here
         raise RequestError(f"{where} holds a number beyond float64's range ({e}); the method takes "
                            f"{meta.dtype}.") from e
+    except RecursionError:  # lists nested thousands deep: the client's doing, not a fault of the replica (500)
+        raise _too_deep(where) from None
     try:
         given = np.array(value)
     except ValueError as e:  # ragged lists: numpy refuses to make an object array implicitly

@@ -52,6 +52,39 @@ def test_compiled_models_are_cached_in_onecopys_cache_dir(conv_programs, tmp_pat
         loaded.close()
 
 
+def test_a_model_compiles_into_openvinos_cache_under_a_lock_other_processes_wait_on(conv_programs, tmp_path,
+                                                                                    monkeypatch):
+    """OpenVINO writes its cache blob in place and maps it to import it: processes loading one program at once
+    read a blob another was still writing (SIGBUS, or wrong answers). Compiling holds a file lock per model."""
+    import filelock
+
+    import onecopy.delegate.openvino.backend as backend
+
+    core = backend._shared_core(backend.import_openvino("test"))
+    held = []
+
+    class Core:  # OpenVINO's Core, noting whether another holder (a process: a descriptor of its own) could lock
+        def read_model(self, **kwargs):
+            return core.read_model(**kwargs)
+
+        def compile_model(self, *args):
+            for path in (tmp_path / "openvino" / "locks").glob("*.lock"):
+                try:
+                    with ThreadPoolExecutor(1) as pool:  # a FileLock of another thread: another descriptor
+                        pool.submit(lambda: filelock.FileLock(path, timeout=0).acquire().lock.release()).result()
+                except filelock.Timeout:
+                    held.append(path.name)
+            return core.compile_model(*args)
+
+    monkeypatch.setattr(backend, "_shared_core", lambda ov: Core())
+    loaded = read_program(conv_programs[1])
+    try:
+        _init(loaded, tmp_path).destroy()
+    finally:
+        loaded.close()
+    assert len(held) == 1
+
+
 def test_an_unknown_precision_is_refused(conv_programs, tmp_path):
     loaded = read_program(conv_programs[1])
     try:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -139,6 +140,18 @@ class OpenVinoDelegate(DelegateHandle):
         self._requests.close()
 
 
+def _compile_lock(cache: Path, export_hash: str) -> Any:
+    """A file lock held around `compile_model` with OpenVINO's CACHE_DIR, one per model (its export hash):
+    OpenVINO writes its cache blob in place and maps it to import it, so processes (or threads) that loaded one
+    program at once read a blob another was still writing: SIGBUS in 2 of 30 processes started together, and
+    wrong answers seen once. Under the lock the first compiles and writes the blob whole; the others import it."""
+    from filelock import FileLock
+
+    locks = cache / "locks"
+    locks.mkdir(exist_ok=True)
+    return FileLock(locks / f"{export_hash[:32]}.lock")
+
+
 class OpenVinoBackend(Backend):
     name: ClassVar[str] = BACKEND
     options: ClassVar[Mapping[str, type]] = {"inference_precision": str, "num_threads": int}
@@ -184,11 +197,14 @@ class OpenVinoBackend(Backend):
         config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": PRECISIONS[str(precision)]}
         if "num_threads" in context.backend_options:
             config["INFERENCE_NUM_THREADS"] = int(context.backend_options["num_threads"])
+        compiling: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if not cache_disabled():
             cache = (context.cache_dir or default_cache_dir()) / "openvino"
             cache.mkdir(parents=True, exist_ok=True)
             config["CACHE_DIR"] = str(cache)
-        compiled = _shared_core(ov).compile_model(model, "CPU", config)
+            compiling = _compile_lock(cache, parsed.export_hash)
+        with compiling:
+            compiled = _shared_core(ov).compile_model(model, "CPU", config)
         if len(compiled.outputs) != len(parsed.output_names):
             raise DelegateError(f"{where}: the OpenVINO IR has {len(compiled.outputs)} outputs but the manifest "
                                 f"names {len(parsed.output_names)}; re-export the program.")
