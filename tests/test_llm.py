@@ -139,12 +139,30 @@ def test_sampling_is_reproducible_with_a_seed(llama_path):
     ({"temperature": 0.8, "top_k": 2.5}, r"top_k must be a whole number >= 1 .* got 2.5"),
     ({"temperature": float("nan")}, r"temperature must be > 0 to sample \(0 or None: greedy\), got nan"),
     ({"temperature": -1.0}, r"temperature must be > 0 to sample"),
+    ({"top_k": 5}, r"top_k and seed apply to sampling: give temperature > 0 with them \(got top_k=5, seed=None"),
+    ({"seed": 1, "temperature": 0}, r"top_k and seed apply to sampling.*seed=1, temperature=0: greedy"),
+    ({"eos_token_id": "2"}, r"eos_token_id must be a token id or a list of them, got '2'"),
+    ({"eos_token_id": [2, 1.5]}, r"eos_token_id must be a token id or a list of them"),
 ])
 def test_sampling_settings_that_mean_nothing_are_refused(llama_path, options, message):
     from onecopy.llm import generate
 
     with pytest.raises(InvalidArgument, match=message):
         next(generate(llama_path, [1, 2, 3], 4, **options))
+
+
+def test_generation_stops_after_an_end_of_sequence_token_as_transformers_does(llama, llama_path):
+    from onecopy.llm import generate
+
+    prompt = [5, 17, 99, 3, 42]
+    free = list(generate(llama_path, prompt, 10))
+    # A token the greedy run first makes third or later: the generation stops right after it.
+    stop = next(k for k in range(2, len(free)) if free[k] not in free[:k])
+    eos = free[stop]
+    want = llama.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, cache_implementation="static",
+                          pad_token_id=0, eos_token_id=eos)[0, len(prompt):].tolist()
+    assert list(generate(llama_path, prompt, 10, eos_token_id=eos)) == free[:stop + 1] == want
+    assert list(generate(llama_path, prompt, 10, eos_token_id=[free[0], eos])) == free[:1]
 
 
 def test_a_decode_step_copies_no_cache_sized_buffer(llama_path):

@@ -216,16 +216,32 @@ def _check_fits(program: Any, decode: str, position: int, prompt: np.ndarray, ma
         "with a larger max_cache_len.")
 
 
+def _token_ids(value: int | Sequence[int] | None, name: str) -> list[int]:
+    """`value` (None, one token id or several) as a list of ints; anything else is refused naming `name`."""
+    if value is None:
+        return []
+    values = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+    try:
+        ids = list(values)  # type: ignore[arg-type]
+    except TypeError:
+        ids = [values]
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ids):
+        raise InvalidArgument(f"{name} must be a token id or a list of them, got {value!r}.")
+    return [int(v) for v in ids]
+
+
 def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_new_tokens: int, *,
              state: Any = None, temperature: float | None = None, top_k: int | None = None,
-             seed: int | None = None) -> Iterator[int]:
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None) -> Iterator[int]:
     """Stream the tokens a program exported by `export_llm` generates after `prompt_ids`, one at a time.
 
     Greedy by default; `temperature` (> 0) samples, from the `top_k` most likely tokens when given, with `seed`.
     `state`: a State to continue (its cache already holds a prompt, e.g. a `State.copy()` fork): `prompt_ids` are
     appended after what it holds. None: a fresh state. A program path is loaded for the generation.
     `prompt_ids`: one prompt, [T] or [1, T] integer token ids. A token id outside the vocabulary, or a prompt and
-    `max_new_tokens` the cache cannot hold, are refused before anything runs.
+    `max_new_tokens` the cache cannot hold, are refused before anything runs. `eos_token_id`: a token (or tokens)
+    after which the generation stops, as transformers' `generate` stops at the model's end-of-sequence token
+    (`model.generation_config.eos_token_id`); None: it runs `max_new_tokens`.
     """
     from onecopy.runtime import Program, Runtime
 
@@ -236,6 +252,11 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
         raise InvalidArgument(f"top_k must be a whole number >= 1 (the most likely tokens sampled from; None: all "
                               f"of them), got {top_k!r}.")
+    if temperature in (None, 0) and (top_k is not None or seed is not None):
+        # Greedy decoding draws nothing: a top_k or seed given without a temperature would be silently ignored.
+        raise InvalidArgument(f"top_k and seed apply to sampling: give temperature > 0 with them (got top_k={top_k!r}, "
+                              f"seed={seed!r}, temperature={temperature!r}: greedy).")
+    stops = frozenset(_token_ids(eos_token_id, "eos_token_id"))
     # Converted as given, then checked: a cast to int64 would truncate float ids silently, and reshape(-1) would
     # run a batch of prompts ([B, T]) as one prompt of B*T tokens.
     given = np.asarray(prompt_ids)
@@ -277,7 +298,7 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
         for n in range(max_new_tokens):
             token = _pick(logits[0, -1], temperature, top_k, rng)
             yield token
-            if n + 1 == max_new_tokens:
+            if n + 1 == max_new_tokens or token in stops:
                 break
             (logits,) = decode.execute([np.array([[token]], np.int64), np.array([position])], state=state)
             position += 1
