@@ -32,7 +32,7 @@ def pair_program_path(tmp_path_factory):
 def test_inspect_shows_methods_delegates_and_sizes(small_program_path, capsys):
     assert main(["inspect", str(small_program_path)]) == 0
     out = capsys.readouterr().out
-    assert "method forward: (float32[1, 64]) -> (float32[1, 64])" in out
+    assert "method forward: (x: float32[1, 64]) -> (float32[1, 64])" in out
     assert "delegate_call 0" in out
     assert "functions: main (delegates 0)" in out
     assert "parameters 0.05 MiB (each stored once)" in out

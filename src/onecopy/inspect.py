@@ -85,7 +85,8 @@ def summarize(loaded: LoadedProgramFile, file_bytes: int) -> ProgramSummary:
         methods.append(
             {
                 "name": method.name,
-                "inputs": [f"{s.dtype}{list(s.shape)}" for s in method.input_specs],
+                "inputs": [f"{name}: {s.dtype}{list(s.shape)}" if name else f"{s.dtype}{list(s.shape)}"
+                           for s, name in zip(method.input_specs, method.input_names or [""] * len(method.input_specs))],
                 "outputs": [f"{s.dtype}{list(s.shape)}" for s in method.output_specs],
                 "instructions": [
                     f"delegate_call {i.delegate}" if isinstance(i, DelegateCall) else f"host_op {i.op}"

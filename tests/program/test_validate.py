@@ -48,6 +48,7 @@ def program() -> bytes:
         symbols={"s0": [1, 64]},
         states=["cache"],
         input_bounds={0: [0, 63]},
+        input_names=["x"],
     )
     delegate = DelegateDef(backend="IreeBackend", manifest={"input_names": ["x"], "output_names": ["y"]})
     state = StateDef(name="cache", spec=TensorSpec(shape=[2, 4], dtype="float32"), initial="state/c")
@@ -108,6 +109,7 @@ CASES = [
     ((*M, "states", 0), "kv", "method 'forward', field states: state 'kv' is not among the program's states"),
     ((*M, "input_bounds"), {"3": [0, 1]}, "method 'forward', field input_bounds: input 3 does not exist; the method has 1"),
     ((*M, "input_bounds"), {"0": [5, 1]}, "method 'forward', field input_bounds[0]: [5, 1] is not [min, max]"),
+    ((*M, "input_names"), ["x", "y"], "method 'forward', field input_names: 2 names for 1 inputs"),
     (("states", 0, "spec", "shape"), [2, "s0"], "state 0 ('cache'), field spec: shape [2, 's0'] is dynamic"),
     (("states", 0, "spec", "shape"), [4, 4],
      "state 0 ('cache'), field initial: float32[4, 4] needs 64 bytes, its initial value has 32"),

@@ -433,3 +433,30 @@ def test_a_value_returned_twice_fills_the_storage_given_for_each_output(tmp_path
             np.testing.assert_array_equal(first, x * 2)
             np.testing.assert_array_equal(second.numpy(), x * 2)
             assert results[0] is first and np.shares_memory(results[1], second.numpy())
+
+
+class _Keywords(torch.nn.Module):
+    def forward(self, a, b, *, c):
+        return a + 2 * b + 3 * c
+
+
+def test_inputs_go_by_name_where_keyword_inputs_were_exported_out_of_signature_order():
+    """torch.export orders keyword inputs as the kwargs were given ({"c": ..., "b": ...}: a, c, b): a list in the
+    signature's order would swap b and c silently; names say which is which."""
+    from onecopy import Runtime
+    from onecopy.export import export_program
+
+    a, b, c = (np.full(2, v, np.float32) for v in (1.0, 10.0, 100.0))
+    ep = torch.export.export(_Keywords(), (torch.from_numpy(a),), {"c": torch.from_numpy(c), "b": torch.from_numpy(b)})
+    program = export_program({"forward": ep})
+    assert program.definition.methods[0].input_names == ["a", "c", "b"]
+    with Runtime().load_program(program.to_bytes()) as loaded:
+        forward = loaded.load_method("forward")
+        assert [t.name for t in forward.method_meta.inputs] == ["a", "c", "b"]
+        want = a + 2 * b + 3 * c
+        for _ in range(2):  # the checked call, then the kept one
+            np.testing.assert_allclose(forward.execute({"b": b, "c": c, "a": a})[0], want)
+        np.testing.assert_allclose(forward.execute([a, c, b])[0], want)  # a list: method_meta's order
+        np.testing.assert_allclose(forward.prepare({"a": a, "b": b, "c": c}).run()[0], want)
+        with pytest.raises(InvalidArgument, match=r"takes inputs \['a', 'c', 'b'\]: no input named 'd'; missing 'b'"):
+            forward.execute({"a": a, "c": c, "d": b})

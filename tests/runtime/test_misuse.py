@@ -38,7 +38,8 @@ OUT_LIST = r"Method 'forward' takes output storage as a list with one entry per 
     (lambda f: f.execute([X], outputs=np.empty((1, 64), np.float32)), OUT_LIST.format("ndarray")),
     (lambda f: f.execute([X], outputs=[]), r"Method 'forward' has 1 outputs; outputs= gave 0"),
     (lambda f: f.execute([X], outputs=[np.empty((1, 64), np.float64)]),
-     r"Output 0 of method 'forward' has dtype float64; expected float32"),
+     r"Output 0 of method 'forward' has dtype float64; expected float32\. Pass storage of that dtype, e\.g\. "
+     r"np\.empty\(shape, np\.float32\)"),
     (lambda f: f.execute([X], outputs=[np.empty((2, 64), np.float32)]),
      r"Output 0 of method 'forward' has shape \[2, 64\]; expected \[1, 64\]\."),
     (lambda f: f.execute([X], outputs=[np.broadcast_to(np.float32(0), (1, 64))]),

@@ -266,14 +266,36 @@ def test_a_dynamic_prefill_updates_state_at_every_size(accumulator, rng):
         np.testing.assert_allclose(prog.default_state.read("cache"), eager.model.cache.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_a_position_past_the_cache_wraps_instead_of_writing_past_it(prog, rng):
-    # IREE does not check scatter indices: unguarded, this wrote past the cache and corrupted the heap.
+def test_a_position_past_the_cache_is_refused(prog, rng):
+    # IREE does not check scatter indices: unguarded, this wrote past the cache and corrupted the heap. The
+    # position reaches the cache's index_put as it is, so export recorded its bounds (torch's: -8 is row 0).
     decode = prog.load_method("decode")
     state = prog.create_state()
     x = rows(rng, 1)
-    for _ in range(50):
+    with pytest.raises(ExecutionError, match=r"Input 1 of method 'decode' holds 8003, outside \[-8, 7\].*"
+                                             r"Start a new state"):
         decode.execute([x, np.array([8 * 1000 + 3])], state=state)
-    cache = state.read("cache")
+
+
+def test_a_position_past_the_cache_wraps_in_the_engine_instead_of_writing_past_it(accumulator, rng):
+    """The engine's own guard, for an index no input check sees: the program without its recorded bounds."""
+    import msgspec
+
+    from onecopy.export import export_program
+    from onecopy.program.file import ProgramFile
+    from tests.conftest import accumulator_methods
+
+    program = export_program(accumulator_methods(accumulator))
+    assert all(m.input_bounds == {1: [-8, 7]} for m in program.definition.methods)
+    x = rows(rng, 1)
+    unchecked = ProgramFile(msgspec.structs.replace(program.definition, methods=[
+        msgspec.structs.replace(m, input_bounds={}) for m in program.definition.methods]), program.data)
+    with Runtime().load_program(unchecked.to_bytes()) as loaded:
+        decode = loaded.load_method("decode")
+        state = loaded.create_state()
+        for _ in range(50):
+            decode.execute([x, np.array([8 * 1000 + 3])], state=state)
+        cache = state.read("cache")
     assert cache[3].any() and not np.delete(cache, 3, axis=0).any()
 
 

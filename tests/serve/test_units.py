@@ -37,6 +37,15 @@ def test_npz_inputs_come_in_input_order_past_ten():
     assert [int(a[0]) for a in decoded] == list(range(12))
 
 
+def test_npz_members_named_as_the_method_inputs_go_by_name():
+    named = (TensorMeta((1,), F32, True, "ids"), TensorMeta((1,), F32, True, "mask"))
+    one, two = np.ones(1, np.float32), np.full(1, 2, np.float32)
+    decoded = decode_inputs(npz(mask=two, ids=one), NPZ, named, "POST /m", limit=1 << 20)  # archive order: mask, ids
+    assert [float(a[0]) for a in decoded] == [1.0, 2.0]
+    decoded = decode_inputs(npz(b=two, a=one), NPZ, named, "POST /m", limit=1 << 20)  # other names: archive order
+    assert [float(a[0]) for a in decoded] == [2.0, 1.0]
+
+
 def test_json_inputs_take_the_method_dtype_and_refuse_fractions_for_integers():
     m = meta(["b", 2])
     (x,) = decode_inputs(b'{"inputs": [[[1, 2], [3, 4.5]]]}', JSON, m.inputs, "POST /m", limit=1 << 20)

@@ -18,7 +18,8 @@ from onecopy.errors import ExportError
 from onecopy.export.lowering import StagedFunction
 from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.export.partitioner import Partition, Partitioner, op_name
-from onecopy.export.state import ProgramStates, StateBinding, guard_index_writes
+from onecopy.export.index_guard import guard_indices, input_bounds
+from onecopy.export.state import ProgramStates, StateBinding
 from onecopy.export.subgraph import cut, dynamic_shapes, example, is_symbolic
 from onecopy.export.symbols import rename_symbols, spec_dtype, symbol_names, symbol_ranges, tensor_spec
 from onecopy.program import ConstantDef, ConstArg, DelegateCall, HostOp, Instruction, MethodDef, TensorSpec, ValueArg
@@ -175,6 +176,7 @@ def plan_method(
     _refuse_data_dependent_sizes(name, graph)
     plan = MethodPlan(name, table, symbol_ranges(ep), symbol_names(ep), memory_planned_outputs)
     inputs: list[int] = []
+    input_nodes: list[fx.Node] = []
     input_specs: list[TensorSpec] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, signature.input_specs):
@@ -189,6 +191,7 @@ def plan_method(
             input_specs.append(tensor_spec(node, f"Method '{name}', input '{node.name}'", plan.names))
             plan.ids[node] = plan.new_id()
             inputs.append(plan.ids[node])
+            input_nodes.append(node)
         else:
             raise ExportError(f"Method '{name}': input '{node.name}' of kind {spec.kind.name} is not supported.")
 
@@ -253,6 +256,10 @@ def plan_method(
         instructions=plan.instructions,
         constants=plan.constants,
         states=sorted({s.name for s in plan.states.values()}),
+        # Inputs that index a table, checked before each call: a token id past the vocabulary is refused.
+        input_bounds=input_bounds(graph, input_nodes),
+        # torch.export orders keyword inputs as the kwargs dict was given, not as the signature: names say which.
+        input_names=[node.name for node in input_nodes],
     )
 
 
@@ -297,8 +304,7 @@ def _plan_delegate_partition(
         if r in plan.updates and plan.updates[r] not in touched:
             touched.append(plan.updates[r])
     stateful = bool(touched)
-    if stateful:
-        guard_index_writes(piece.graph_module.graph)
+    if guard_indices(piece.graph_module.graph):  # IREE checks no index: see onecopy.export.index_guard
         piece.graph_module.recompile()
     inputs = [plan.value(a) for a in activations]
     outputs = []

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -32,7 +31,7 @@ from onecopy.export.parameters import ParameterTable, parameter_key
 from onecopy.program import StateDef, TensorSpec
 from onecopy.export.symbols import spec_dtype
 
-__all__ = ["StateBinding", "ProgramStates", "collect_states", "guard_index_writes", "held_states", "register_states", "stage_helpers", "state_groups"]
+__all__ = ["StateBinding", "ProgramStates", "collect_states", "held_states", "register_states", "stage_helpers", "state_groups"]
 
 STATE_PREFIX = "onecopy_state_"
 
@@ -240,35 +239,6 @@ def state_groups(partitions: list[Any], specs: Mapping[str, Any]) -> list[list[t
         else:
             result.append([(p, f"{p.method}_{p.index}") for p in sorted(group, key=lambda p: p.delegate)])
     return result
-
-
-def guard_index_writes(graph: fx.Graph) -> int:
-    """Wrap the indices of every `index_put` into range (`remainder` by the indexed dimension's size) and return
-    how many it wrapped. IREE does not check them: a cache position past the end would write past the cache's
-    allocation and corrupt the process's heap. Wrapped, a bad position overwrites a cache row instead, which
-    `MethodDef.input_bounds` (onecopy.llm) refuses with an error first."""
-    wrapped = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _INDEX_PUTS:
-            continue
-        target, indices = node.args[0], node.args[1]
-        shape = target.meta["val"].shape
-        guarded = []
-        for dim, index in enumerate(indices):
-            size = shape[dim] if dim < len(shape) else None
-            if not isinstance(index, fx.Node) or not isinstance(size, int) or index.meta["val"].dtype == torch.bool:
-                guarded.append(index)
-                continue
-            with graph.inserting_before(node):
-                safe = graph.call_function(torch.ops.aten.remainder.Scalar, (index, size))
-            safe.meta = dict(index.meta)
-            guarded.append(safe)
-            wrapped += 1
-        node.args = (target, guarded, *node.args[2:])
-    return wrapped
-
-
-_INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
 
 
 def held_states(group: list[tuple[Any, str]]) -> list[StateBinding]:

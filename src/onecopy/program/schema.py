@@ -105,6 +105,9 @@ class MethodDef(_Strict):
     states: list[str] = []
     # Input index -> [min, max] of the values it may hold (e.g. a cache position), checked before each call.
     input_bounds: dict[int, list[int]] = {}
+    # Per input, its name in the exported signature (`forward(self, ids, mask)`; a keyword input's key): what
+    # `execute({name: array})` and serving's named npz members go by. Empty in files written before names.
+    input_names: list[str] = []
     # Delegates (indices into `ProgramDef.delegates`) that can each run the whole method instead of its
     # instructions: they take the method's inputs and return its outputs. The runtime picks one at load
     # (`load_program(prefer=...)`); a file without any runs its instructions.

@@ -264,6 +264,11 @@ def _state_problems(definition: ProgramDef, segments: Mapping[str, SegmentDef]) 
                                                            f"{len(method.inputs)}")
             elif len(bounds) != 2 or bounds[0] > bounds[1]:
                 yield Problem(f"{at}, field input_bounds[{position}]", f"{bounds} is not [min, max]")
+        if method.input_names and len(method.input_names) != len(method.inputs):
+            yield Problem(f"{at}, field input_names", f"{len(method.input_names)} names for {len(method.inputs)} "
+                                                      "inputs")
+        elif len(set(method.input_names)) != len(method.input_names):
+            yield Problem(f"{at}, field input_names", f"names repeat: {method.input_names}")
 
 
 def _dtype_problems(dtype: str, where: str) -> Iterator[Problem]:

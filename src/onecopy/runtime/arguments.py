@@ -15,7 +15,7 @@ from onecopy.errors import ExecutionError
 from onecopy.program import MethodDef
 from onecopy.runtime.method_meta import MethodMeta, TensorMeta, dim_value
 
-__all__ = ["as_array", "check_bounds", "check_inputs", "output_storage"]
+__all__ = ["STATE_ADVICE", "as_array", "check_bounds", "check_inputs", "output_storage"]
 
 
 def as_array(value: Any, what: str) -> np.ndarray:
@@ -139,6 +139,9 @@ def _check_output(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], 
     """An output's storage against its dtype and rank, and against the shape this call's inputs give it: a
     dynamic output's storage sized for other inputs would be written in part (the rest left as it was) or
     refused by the engine halfway through the call."""
+    if array.dtype != meta.dtype:  # storage: a converted copy (astype) would receive the results, not the caller's
+        raise ExecutionError(f"{what} has dtype {array.dtype}; expected {meta.dtype}. Pass storage of that dtype, "
+                             f"e.g. np.empty(shape, np.{meta.dtype}).")
     _check_tensor(array, meta, {}, what)
     want = [dim_value(d, symbols) for d in meta.shape]
     if any(w is not None and w != given for w, given in zip(want, array.shape)):
@@ -212,11 +215,23 @@ def output_storage(name: str, definition: MethodDef, meta: MethodMeta, outputs: 
     return storage
 
 
-def check_bounds(name: str, bounds: dict[int, tuple[int, int]], inputs: Sequence[np.ndarray]) -> None:
-    """Inputs that index into the engine's memory (a cache position, a token id) within the values `bounds`
-    (input index -> [low, high]) the method was exported for: the engine does not check indices."""
+# What a stateful method's caller does about an index outside its bounds: a cache position past the cache.
+STATE_ADVICE = "Start a new state (state.reset()), or export with a larger max_cache_len."
+
+
+def check_bounds(name: str, bounds: dict[int, tuple[int, int]], inputs: Sequence[Any], advice: str = "") -> None:
+    """Inputs that index into the engine's memory (a token id into an embedding, a cache position) within the
+    values `bounds` (input index -> [low, high]) the method was exported for: the engine does not check indices.
+    `advice`: what to do about a value outside them (a stateful method's: start a new state). An input missing or
+    not an integer array is left to the method's other checks."""
     for index, (low, high) in bounds.items():
+        if index >= len(inputs):
+            continue
         array = inputs[index]
+        if type(array) is not np.ndarray:
+            array = as_array(array, f"Input {index} of method '{name}'")
+        if array.dtype.kind not in "iu":
+            continue
         if array.size == 1:  # a decode step's position: item() is a tenth of min() + max()
             lowest = highest = int(array.item())
         elif array.size == 0:
@@ -226,8 +241,7 @@ def check_bounds(name: str, bounds: dict[int, tuple[int, int]], inputs: Sequence
         if lowest < low or highest > high:
             bad = highest if highest > high else lowest
             raise ExecutionError(
-                f"Input {index} of method '{name}' holds {bad}, outside "
-                f"[{low}, {high}], the values it was exported for: the engine does not check indices, so a cache "
-                "position past max_cache_len or a token id past the vocabulary is refused here. Start a new state "
-                "(state.reset()), or export with a larger max_cache_len."
+                f"Input {index} of method '{name}' holds {bad}, outside [{low}, {high}], the values it was exported "
+                f"for: it indexes a table of {high + 1} entries (an embedding's rows, a cache's positions), and the "
+                f"engine does not check indices. {advice or 'Give indices within the table.'}"
             )

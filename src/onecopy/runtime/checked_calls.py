@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from onecopy.runtime._layout import same_shapes
-from onecopy.runtime.arguments import check_bounds
+from onecopy.runtime.arguments import STATE_ADVICE, check_bounds
 from onecopy.runtime.backend import DelegateHandle, RunReport
 from onecopy.runtime.copy_stats import CopyStats, log
 from onecopy.runtime.state import State
@@ -130,7 +130,7 @@ class CheckedStateCall:
         if report.closed.is_set():
             report.on_closed()
         if self._bounds:
-            check_bounds(self._name, self._bounds, inputs)
+            check_bounds(self._name, self._bounds, inputs, STATE_ADVICE)
         pick = self._pick
         arguments = pick(inputs) if pick is not None else [inputs[a] if type(a) is int else a for a in self._arguments]
         stats = CopyStats()

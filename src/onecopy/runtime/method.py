@@ -14,7 +14,7 @@ import numpy as np
 from onecopy.errors import ExecutionError, InvalidArgument
 from onecopy.program import ConstArg, DelegateCall, HostOp, MethodDef, NamedData, ValueArg
 from onecopy.runtime._layout import repeat_kept, same_shapes
-from onecopy.runtime.arguments import as_array, check_bounds, check_inputs, output_storage
+from onecopy.runtime.arguments import STATE_ADVICE, as_array, check_bounds, check_inputs, output_storage
 from onecopy.runtime.backend import DelegateHandle, Plan, RunReport
 from onecopy.runtime.checked_calls import KEPT, CheckedCall, CheckedStateCall, remember, templates_of
 from onecopy.runtime.copy_stats import CopyStats, StatsRecord
@@ -141,16 +141,23 @@ class Method:
         """Each delegate's device alone (index -> e.g. `local-sync`, `OpenVINO CPU`): `runs_on`, shorter."""
         return {index: handle.device for index, handle in self._delegates.items()}
 
-    def execute(self, inputs: Sequence[Any], outputs: Sequence[Any] | None = None, *,
+    def execute(self, inputs: Sequence[Any] | dict[str, Any], outputs: Sequence[Any] | None = None, *,
                 state: Any = None) -> list[np.ndarray]:
-        """Run the method. `outputs`: caller-provided storage per output (None entries are allocated). `state`: the
-        `State` a stateful method reads and updates in place (None: the program's default state).
+        """Run the method. `inputs`: in the method's order (`method_meta.inputs`), or a dict by input name (the
+        exported signature's: a keyword input's key). `outputs`: caller-provided storage per output (None entries
+        are allocated). `state`: the `State` a stateful method reads and updates in place (None: the program's
+        default state).
 
         A frame loop over bound surfaces calls with the same surfaces every time: such a call is planned once, as
         `prepare` would, and this thread's next calls on the same arrays (or new views of the same surfaces, same
         layout) rerun the plan, with no per-argument work."""
+        if type(inputs) is dict:
+            inputs = self._by_name(inputs)
         if state is not None or self._stateful:
             return self._execute_stateful(inputs, outputs, state)
+        bounds = self._definition.input_bounds
+        if bounds:  # inputs that index a table (a token id): the engine checks no index
+            check_bounds(self.name, bounds, inputs)
         if outputs is None:
             for checked in self._checked_calls:
                 if same_shapes(inputs, checked.templates):
@@ -237,7 +244,8 @@ class Method:
             state._check()
             values, storage = self._arguments(inputs, outputs)
             if definition.input_bounds:
-                check_bounds(self.name, definition.input_bounds, [values[v] for v in definition.inputs])
+                check_bounds(self.name, definition.input_bounds, [values[v] for v in definition.inputs],
+                             STATE_ADVICE)
             stats = CopyStats()
             for ins in definition.instructions:
                 if isinstance(ins, DelegateCall):
@@ -318,6 +326,8 @@ class Method:
         reads whatever they hold then. A stateful method's call is prepared on `state` (None: the program's
         default state): each run reads and updates it in place, as `execute(inputs, state=state)` does. Not for
         concurrent use; prepare one per thread."""
+        if type(inputs) is dict:
+            inputs = self._by_name(inputs)
         if state is not None or self._stateful:
             state = self._state_for(state)
             with state._lock:
@@ -325,7 +335,32 @@ class Method:
                 values, storage = self._arguments(inputs, outputs)
             return StatePreparedCall(self, values, storage, outputs, state)
         values, storage = self._arguments(inputs, outputs)
-        return PreparedCall(self, values, storage, outputs)
+        call = PreparedCall(self, values, storage, outputs)
+        bounds = self._definition.input_bounds
+        if bounds:  # each run reads what the arrays hold then: their indices are checked then
+            arrays, run, name = [values[v] for v in self._definition.inputs], call.run, self.name
+
+            def checked_run() -> list[np.ndarray]:
+                check_bounds(name, bounds, arrays)
+                return run()
+
+            call.run = checked_run  # type: ignore[method-assign]
+        return call
+
+    def _by_name(self, given: dict[str, Any]) -> list[Any]:
+        """Inputs given by name, in the method's order. torch.export orders keyword inputs as the kwargs were
+        given at export, not as the signature lists them: a list in signature order would silently swap them."""
+        names = self._definition.input_names
+        if not names:
+            raise InvalidArgument(f"Method '{self.name}' was exported before inputs had names; pass its inputs as "
+                                  f"a list in the order of method_meta.inputs ({len(self._definition.inputs)}).")
+        unknown = [k for k in given if k not in names]
+        missing = [n for n in names if n not in given]
+        if unknown or missing:
+            problems = ([f"no input named {', '.join(map(repr, unknown))}"] if unknown else []) + (
+                [f"missing {', '.join(map(repr, missing))}"] if missing else [])
+            raise InvalidArgument(f"Method '{self.name}' takes inputs {names}: {'; '.join(problems)}.")
+        return [given[n] for n in names]
 
     def _arguments(
         self, inputs: Sequence[Any], outputs: Sequence[Any] | None
@@ -542,7 +577,7 @@ class StatePreparedCall:
             return method._execute_stateful(self._inputs, self._outputs, state)
         bounds = method._definition.input_bounds
         if bounds:  # the inputs' values change between runs: an index past the cache is refused at each
-            check_bounds(method.name, bounds, self._inputs)
+            check_bounds(method.name, bounds, self._inputs, STATE_ADVICE)
         stats = CopyStats()
         debug = log.isEnabledFor(DEBUG)  # decided before the engine runs, like everything else here
         with state._lock:

@@ -77,10 +77,11 @@ class TensorMeta:
     shape: tuple[int | str, ...]  # a str is a dynamic dimension's symbol
     dtype: np.dtype
     memory_planned: bool
+    name: str = ""  # an input's name in the exported signature ("": an output, or a file without names)
 
     @classmethod
-    def from_spec(cls, spec: TensorSpec) -> "TensorMeta":
-        return cls(tuple(spec.shape), np.dtype(spec.dtype), spec.memory_planned)
+    def from_spec(cls, spec: TensorSpec, name: str = "") -> "TensorMeta":
+        return cls(tuple(spec.shape), np.dtype(spec.dtype), spec.memory_planned, name)
 
     @property
     def is_dynamic(self) -> bool:
@@ -174,7 +175,8 @@ class MethodMeta:
                 instructions.append(f"host_op {ins.op}")
         return cls(
             method.name,
-            tuple(TensorMeta.from_spec(s) for s in method.input_specs),
+            tuple(TensorMeta.from_spec(s, n) for s, n in zip(method.input_specs, method.input_names or
+                                                               [""] * len(method.input_specs))),
             tuple(TensorMeta.from_spec(s) for s in method.output_specs),
             tuple(instructions),
             tuple(delegates),

@@ -83,13 +83,13 @@ def decode_inputs(body: bytes, fmt: str, inputs: Sequence[TensorMeta], where: st
     """The method's inputs from a request body, in input order. Shapes are checked by the method, not here."""
     if len(body) > limit:
         raise too_large(where, len(body), limit)
-    arrays = _decode_npz(body, where, limit) if fmt == NPZ else _decode_json(body, inputs, where)
+    arrays = _decode_npz(body, where, limit, [t.name for t in inputs]) if fmt == NPZ else _decode_json(body, inputs, where)
     if len(arrays) != len(inputs):
         raise RequestError(f"{where}: the request holds {len(arrays)} arrays; the method takes {len(inputs)} inputs.")
     return arrays
 
 
-def _decode_npz(body: bytes, where: str, limit: int) -> list[np.ndarray]:
+def _decode_npz(body: bytes, where: str, limit: int, input_names: Sequence[str] = ()) -> list[np.ndarray]:
     try:
         archive = zipfile.ZipFile(io.BytesIO(body))
         # A compressed npz (savez_compressed) may unpack to much more than it sent: bound what it unpacks to.
@@ -97,7 +97,7 @@ def _decode_npz(body: bytes, where: str, limit: int) -> list[np.ndarray]:
         if unpacked > limit:
             raise too_large(where, unpacked, limit)
         with np.load(io.BytesIO(body), allow_pickle=False) as npz:
-            names = _input_order(list(npz.files))
+            names = _input_order(list(npz.files), input_names)
             arrays = [npz[name] for name in names]
     except RequestTooLarge:
         raise
@@ -113,9 +113,12 @@ def _decode_npz(body: bytes, where: str, limit: int) -> list[np.ndarray]:
     return arrays
 
 
-def _input_order(names: list[str]) -> list[str]:
-    """np.savez(f, a, b) names arrays arr_0, arr_1 (sorted by index, past arr_9 too); named arrays keep their
-    order in the archive, which is the order they were given."""
+def _input_order(names: list[str], input_names: Sequence[str] = ()) -> list[str]:
+    """np.savez(f, a, b) names arrays arr_0, arr_1 (sorted by index, past arr_9 too); arrays named as the
+    method's inputs (np.savez(f, ids=..., mask=...)) go by those names; other names keep their order in the
+    archive, which is the order they were given."""
+    if input_names and all(input_names) and sorted(names) == sorted(input_names):
+        return list(input_names)
     if names and all(n.startswith("arr_") and n[4:].isdigit() for n in names):
         return sorted(names, key=lambda n: int(n[4:]))
     return names
