@@ -354,3 +354,25 @@ def test_metadata_update_is_whole_keeps_the_files_checked_and_misses_a_gone_entr
     assert cli(["cache", "verify", "--cache-dir", str(tmp_path)]) == 0  # still whole
     cache.clear()
     assert cache.update_meta(key, lambda meta: pytest.fail("updated a removed entry")) is None
+
+
+def test_an_empty_cache_dir_is_refused_not_the_working_directory(tmp_path, monkeypatch):
+    # Path("") is "."; the cache went silently into the working directory.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgument, match="empty path"):
+        open_cache("")
+    with pytest.raises(InvalidArgument, match="names no directory"):
+        Runtime(cache_dir="")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_cache_dir_stays_where_it_was_opened_after_a_chdir(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cache = open_cache("cache")
+    runtime = Runtime(cache_dir="cache")
+    monkeypatch.chdir(tmp_path / "b")
+    assert cache.verify() == [] and cache.clear() == 0  # raised FileNotFoundError: b/cache/v1/entries
+    assert cache.directory == runtime.cache_dir == tmp_path / "a" / "cache"
+    assert not (tmp_path / "b" / "cache").exists()

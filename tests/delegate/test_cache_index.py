@@ -44,3 +44,13 @@ def test_a_forked_child_counts_its_own_uses_and_never_waits_on_its_parents_write
     assert os.waitstatus_to_exitcode(status) == 0
     (entry,) = index.ls()
     assert entry.hits == 2  # the parent's use once (not again by the child), the child's own once
+
+
+def test_a_damaged_index_is_replaced_by_an_empty_one_with_a_warning(tmp_path, caplog):
+    # A stray or damaged file failed every load with sqlite's "file is not a database", blamed on the program.
+    (tmp_path / "index.sqlite").write_bytes(b"not a database at all, and longer than a header" * 4)
+    index = CacheIndex(tmp_path / "index.sqlite")
+    assert index.ls() == []
+    assert "is damaged" in caplog.text
+    index.record("k" * 64, size=10, program="p", packaging="mlir", compute_units="cpu", target="x86_64")
+    assert [e.key for e in CacheIndex(tmp_path / "index.sqlite").ls()] == ["k" * 64]

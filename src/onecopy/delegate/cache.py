@@ -163,7 +163,13 @@ def _same_directory(path: Path, identity: CacheIdentity) -> bool:
 
 def open_cache(directory: str | os.PathLike[str] | None, *, max_bytes: int | None = None) -> SpecializationCache:
     """The cache at `directory` (None: the default), one instance per directory identity in this process."""
-    path = Path(directory) if directory is not None else default_cache_dir()
+    if directory is not None and os.fspath(directory) == "":
+        # Path("") is ".": backend option cache_dir="" put the cache silently into the working directory
+        raise InvalidArgument("The cache directory is an empty path; pass a directory, or leave it out for the "
+                              f"default (${ENV_CACHE_DIR} or the user cache directory).")
+    # Absolute: the instance lives as long as the process, and a relative path (a relative $ONECOPY_CACHE_DIR)
+    # would otherwise point its entries, index and locks somewhere else after an os.chdir
+    path = (Path(directory) if directory is not None else default_cache_dir()).absolute()
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -125,7 +125,27 @@ class CacheIndex:
     def _connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            try:
+                db = self._connect()
+            except sqlite3.DatabaseError as e:
+                if getattr(e, "sqlite_errorcode", None) not in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+                    raise
+                # A damaged index (a crash on a filesystem that lost the WAL, or a stray file) failed every load
+                # with sqlite's "file is not a database", blamed on the program. The index is advisory (the
+                # entries are the truth): remove it and start an empty one.
+                log.warning("cache index %s is damaged (%s): starting a new one", self.path, e)
+                for suffix in ("", "-wal", "-shm"):
+                    try:
+                        os.unlink(f"{self.path}{suffix}")
+                    except FileNotFoundError:
+                        pass
+                db = self._connect()
+            self._local.db = db
+        return db
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        try:
             db.execute("PRAGMA journal_mode=WAL")
             # WAL with synchronous=NORMAL stays consistent across a crash without an fsync per restore; the
             # entries themselves are fsynced when published.
@@ -134,7 +154,9 @@ class CacheIndex:
                 "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, program TEXT, packaging TEXT, "
                 "compute_units TEXT, target TEXT, size INTEGER, created REAL, last_access REAL, hits INTEGER)"
             )
-            self._local.db = db
+        except BaseException:
+            db.close()
+            raise
         return db
 
     @contextmanager

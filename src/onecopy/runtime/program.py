@@ -57,7 +57,11 @@ class Runtime:
     """Entry point of the runtime. `cache_dir`: where specialized programs are kept (None: the default)."""
 
     def __init__(self, cache_dir: str | os.PathLike[str] | None = None):
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if cache_dir is not None and os.fspath(cache_dir) == "":
+            # Path("") is ".": the cache went silently into whatever the working directory was at each load
+            raise InvalidArgument("Runtime(cache_dir='') names no directory; pass a path, or None for the default.")
+        # Absolute now: a relative cache_dir must not move with a later os.chdir
+        self.cache_dir = Path(cache_dir).absolute() if cache_dir is not None else None
 
     def load_program(
         self,
