@@ -376,3 +376,18 @@ def test_a_relative_cache_dir_stays_where_it_was_opened_after_a_chdir(tmp_path, 
     assert cache.verify() == [] and cache.clear() == 0  # raised FileNotFoundError: b/cache/v1/entries
     assert cache.directory == runtime.cache_dir == tmp_path / "a" / "cache"
     assert not (tmp_path / "b" / "cache").exists()
+
+
+def test_verify_gives_whole_entries_missing_from_the_index_their_row_again(mf_program, tmp_path):
+    """An index rebuilt after damage (or deleted by hand) had no rows for the entries on disk: `cache ls` missed
+    them and eviction never counted them."""
+    program, _ = load_all(mf_program, tmp_path)
+    program.close()
+    cache = open_cache(tmp_path)
+    (before,) = cache.ls()
+    cache.index.forget(before.key)  # as a rebuilt index has it
+    assert cache.ls() == []
+    assert cache.verify() == []
+    (after,) = cache.ls()
+    assert (after.key, after.size, after.program, after.target) == (before.key, before.size, before.program,
+                                                                     before.target)

@@ -16,6 +16,7 @@ directory identity (device, inode), so a symlink to a cache directory is the sam
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sqlite3
 import tempfile
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onecopy.delegate.cache_entry import CacheEntry, CacheLayout
+from onecopy.delegate.cache_entry import META, CacheEntry, CacheLayout
 from onecopy.delegate.cache_eviction import evict, owned_prefix, remove_entry, sweep_tmp
 from onecopy.delegate.cache_index import CacheIndex, EntryInfo
 from onecopy.delegate.cache_key import (
@@ -123,18 +124,33 @@ class SpecializationCache:
         return self.index.total_bytes()
 
     def verify(self) -> list[tuple[str, str]]:
-        """Check every entry; remove bad ones. Returns (key, problem) for each removed entry."""
+        """Check every entry; remove bad ones. Returns (key, problem) for each removed entry. A whole entry the
+        index has no row for gets one again (see `_reindex`)."""
         removed = []
+        indexed = {info.key for info in self.index.ls()}
         for path in sorted(self.entries.iterdir()):
             problem = check_entry(self.layout, path.name)
             if problem is not None:
                 removed.append((path.name, problem))
                 remove_entry(self.layout, self.index, path.name)
+            elif path.name not in indexed:
+                self._reindex(path)
         # Rows whose entry directory is gone (removed by hand) are dropped too.
         for info in self.index.ls():
             if not (self.entries / info.key).exists():
                 self.index.forget(info.key)
         return removed
+
+    def _reindex(self, entry: Path) -> None:
+        """The index row of a whole entry that has none, from its entry.json: after the index was rebuilt (it
+        was damaged) or deleted by hand, entries on disk were missing from `cache ls` and never evicted."""
+        try:
+            meta = json.loads((entry / META).read_text())
+            self.index.record(entry.name, size=sum(int(f["size"]) for f in meta["files"].values()),
+                              **{field: str(meta[field]) for field in ("program", "packaging", "compute_units",
+                                                                       "target")})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # whole, but written without those fields: it stays out of the index, as it was
 
     def clear(self) -> int:
         """Remove every entry not in use. Returns how many were removed."""

@@ -133,7 +133,8 @@ class CacheIndex:
                 # A damaged index (a crash on a filesystem that lost the WAL, or a stray file) failed every load
                 # with sqlite's "file is not a database", blamed on the program. The index is advisory (the
                 # entries are the truth): remove it and start an empty one.
-                log.warning("cache index %s is damaged (%s): starting a new one", self.path, e)
+                log.warning("cache index %s is damaged (%s): starting a new one (`onecopy cache verify` lists the "
+                            "entries already on disk in it again)", self.path, e)
                 for suffix in ("", "-wal", "-shm"):
                     try:
                         os.unlink(f"{self.path}{suffix}")
