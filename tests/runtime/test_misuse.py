@@ -17,7 +17,8 @@ def forward(small_program_path):
         yield program.load_method("forward")
 
 
-LIST = r"Method 'forward' takes its inputs as a list with one entry per tensor \(execute\(\[x, \.\.\.\]\)\), got {}\."
+LIST = (r"Method 'forward' takes its inputs as a list with one entry per tensor \(execute\(\[x, \.\.\.\]\), or a dict "
+        r"by input name\), got {}\.")
 OUT_LIST = r"Method 'forward' takes output storage as a list with one entry per tensor .*, got {}\."
 
 
@@ -25,7 +26,7 @@ OUT_LIST = r"Method 'forward' takes output storage as a list with one entry per 
     (lambda f: f.execute(X), LIST.format("ndarray")),
     (lambda f: f.execute(None), LIST.format("NoneType")),
     (lambda f: f.execute(a for a in [X]), LIST.format("generator")),
-    (lambda f: f.execute({"x": X}), LIST.format("dict")),
+    (lambda f: f.execute({X.tobytes()}), LIST.format("set")),  # a dict goes by input name (test_method)
     (lambda f: f.prepare(X), LIST.format("ndarray")),
     (lambda f: f.execute([X, X]), r"Method 'forward' takes 1 inputs, got 2\."),
     (lambda f: f.execute([]), r"Method 'forward' takes 1 inputs, got 0\."),

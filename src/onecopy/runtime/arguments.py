@@ -156,7 +156,7 @@ def check_inputs(name: str, definition: MethodDef, meta: MethodMeta, inputs: Seq
                  symbols: dict[str, int] | None = None) -> list[np.ndarray]:
     """The inputs of method `name` as arrays, each checked against its dtype and shape (symbolic dimensions agree
     across inputs and stay within their exported ranges). `symbols` receives the dynamic dimensions' sizes."""
-    _check_list(inputs, f"Method '{name}' takes its inputs", "execute([x, ...])")
+    _check_list(inputs, f"Method '{name}' takes its inputs", "execute([x, ...]), or a dict by input name")
     if len(inputs) != len(meta.inputs):
         raise ExecutionError(f"Method '{name}' takes {len(meta.inputs)} inputs, got {len(inputs)}.")
     symbols = {} if symbols is None else symbols
