@@ -13,8 +13,8 @@ import contextlib
 import hashlib
 import mmap
 import os
+import secrets
 import struct
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,22 +110,17 @@ def write_atomically(path: Union[str, os.PathLike[str]], write: Callable[[Binary
     directory = target.parent if str(target.parent) else Path(".")
     if not directory.is_dir():
         raise InvalidArgument(f"Cannot save {what} to '{target}': directory '{directory}' does not exist.")
+    # Made with mode 0666 for the kernel to apply the umask, as to any new file (mkstemp makes 0600: renamed into
+    # place, a program saved for a server running as another user could be read by its owner alone).
+    tmp = str(directory / f".{target.name}.{secrets.token_hex(8)}.tmp")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     except OSError as e:
         raise InvalidArgument(f"Cannot save {what} to '{target}': no file can be made in directory '{directory}' "
                               f"({e.strerror or e}); give a path in a writable directory.") from e
     try:
-        # mkstemp makes the file 0600: renamed into place as it is, a program saved for a server running as another
-        # user (or a file saved over) could be read by its owner alone. It gets the mode of the file it replaces,
-        # else the one a new file gets (0666 less the umask).
-        try:
-            mode = target.stat().st_mode & 0o7777
-        except OSError:
-            umask = os.umask(0)
-            os.umask(umask)
-            mode = 0o666 & ~umask
-        os.fchmod(fd, mode)
+        with contextlib.suppress(OSError):  # a file saved over keeps its mode (none there: the new file's)
+            os.fchmod(fd, target.stat().st_mode & 0o7777)
         with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
