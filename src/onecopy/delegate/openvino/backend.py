@@ -144,12 +144,13 @@ def _compile_lock(cache: Path, export_hash: str) -> Any:
     """A file lock held around `compile_model` with OpenVINO's CACHE_DIR, one per model (its export hash):
     OpenVINO writes its cache blob in place and maps it to import it, so processes (or threads) that loaded one
     program at once read a blob another was still writing: SIGBUS in 2 of 30 processes started together, and
-    wrong answers seen once. Under the lock the first compiles and writes the blob whole; the others import it."""
-    from filelock import FileLock
+    wrong answers seen once. Under the lock the first compiles and writes the blob whole; the others import it.
+    The specialization cache's own per-key file lock (`KeyLocks`), in the OpenVINO cache's locks/ folder."""
+    from onecopy.delegate.cache_lock import KeyLocks
 
     locks = cache / "locks"
     locks.mkdir(exist_ok=True)
-    return FileLock(locks / f"{export_hash[:32]}.lock")
+    return KeyLocks(locks).across_processes(export_hash[:32])
 
 
 class OpenVinoBackend(Backend):
