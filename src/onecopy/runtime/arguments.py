@@ -43,15 +43,17 @@ def _check_list(given: Any, what: str, example: str) -> None:
 def _check_tensor(
     array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], what: str,
     ranges: dict[str, list[int | None]] | None = None, derived: list[tuple[str, int, int, str]] | None = None,
+    storage: bool = False,
 ) -> None:
     """`array` against `meta`: dtype, rank, static sizes, and each dynamic dimension that is a symbol of its own
     ("T": bound in `symbols` by the first input that has it, within its exported range). A dimension that is an
     expression of symbols ("2*T", derived from another Dim) is left to `_check_derived`, appended to `derived`
     (what, axis, size, expression), once every input has bound the symbols it names."""
     if array.dtype != meta.dtype:
-        raise ExecutionError(
-            f"{what} has dtype {array.dtype}; expected {meta.dtype}. Convert it, e.g. x.astype(np.{meta.dtype})."
-        )
+        # Output storage is not converted: a converted copy (astype) would receive the results, not the caller's.
+        fix = (f"Pass storage of that dtype, e.g. np.empty(shape, np.{meta.dtype})." if storage
+               else f"Convert it, e.g. x.astype(np.{meta.dtype}).")
+        raise ExecutionError(f"{what} has dtype {array.dtype}; expected {meta.dtype}. {fix}")
     if array.ndim != len(meta.shape):
         raise ExecutionError(f"{what} has shape {list(array.shape)}; expected {list(meta.shape)}.")
     for axis, (given, want) in enumerate(zip(array.shape, meta.shape)):
@@ -139,10 +141,7 @@ def _check_output(array: np.ndarray, meta: TensorMeta, symbols: dict[str, int], 
     """An output's storage against its dtype and rank, and against the shape this call's inputs give it: a
     dynamic output's storage sized for other inputs would be written in part (the rest left as it was) or
     refused by the engine halfway through the call."""
-    if array.dtype != meta.dtype:  # storage: a converted copy (astype) would receive the results, not the caller's
-        raise ExecutionError(f"{what} has dtype {array.dtype}; expected {meta.dtype}. Pass storage of that dtype, "
-                             f"e.g. np.empty(shape, np.{meta.dtype}).")
-    _check_tensor(array, meta, {}, what)
+    _check_tensor(array, meta, {}, what, storage=True)
     want = [dim_value(d, symbols) for d in meta.shape]
     if any(w is not None and w != given for w, given in zip(want, array.shape)):
         sizes = ", ".join(f"'{d}' = {w}" for d, w in zip(meta.shape, want) if isinstance(d, str) and w is not None)
