@@ -216,16 +216,20 @@ def _check_fits(program: Any, decode: str, position: int, prompt: np.ndarray, ma
         "with a larger max_cache_len.")
 
 
+def _whole(value: Any) -> bool:
+    """Whether `value` is a whole number (a Python or numpy int; bool is not one here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _token_ids(value: int | Sequence[int] | None, name: str) -> list[int]:
     """`value` (None, one token id or several) as a list of ints; anything else is refused naming `name`."""
     if value is None:
         return []
-    values = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
     try:
-        ids = list(values)  # type: ignore[arg-type]
-    except TypeError:
-        ids = [values]
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in ids):
+        ids = [value] if _whole(value) else list(value)  # type: ignore[arg-type]
+    except TypeError:  # neither a number nor a collection of them: refused below
+        ids = [value]
+    if not all(_whole(v) for v in ids):
         raise InvalidArgument(f"{name} must be a token id or a list of them, got {value!r}.")
     return [int(v) for v in ids]
 
@@ -245,11 +249,11 @@ def generate(program_or_path: Any, prompt_ids: Sequence[int] | np.ndarray, max_n
     """
     from onecopy.runtime import Program, Runtime
 
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    if not _whole(max_new_tokens) or max_new_tokens < 0:
         raise InvalidArgument(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}.")
     if temperature is not None and not temperature >= 0:  # NaN too
         raise InvalidArgument(f"temperature must be > 0 to sample (0 or None: greedy), got {temperature}.")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+    if top_k is not None and (not _whole(top_k) or top_k < 1):
         raise InvalidArgument(f"top_k must be a whole number >= 1 (the most likely tokens sampled from; None: all "
                               f"of them), got {top_k!r}.")
     if temperature in (None, 0) and (top_k is not None or seed is not None):
